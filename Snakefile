@@ -1,0 +1,22 @@
+# kvshot: raw data -> target -> features -> drafters -> evaluation -> tables/figures.
+# Default config is the embedded CPU scale; overlay another with --configfile.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/target.smk"
+include: "workflow/rules/features.smk"
+
+
+rule all:
+    input:
+        "results/data/stats.json",
+        "results/target/metrics.json",
+        expand("results/features/{split}", split=SPLITS),
+    default_target: True

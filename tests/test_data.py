@@ -1,0 +1,404 @@
+"""Tests for kvshot.data: streaming ShareGPT parser, hub loaders, split, chat format, tokenization."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from kvshot import data
+from kvshot.data import (CHAT_TEMPLATE, IM_END, DataError, LoadStats, iter_hub_dataset,
+                         iter_sharegpt_file, load_sources, normalize_record, prepare_data,
+                         read_jsonl, render_chat, sharegpt_package_path, split_conversations,
+                         tokenize_conversation)
+
+
+def sg(i: int, *turns: tuple[str, str]) -> dict:
+    return {"id": f"r{i}", "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+GOOD = [sg(i, ("human", f"question {i} caf\u00e9 \u4e2d\u6587 \U0001f600"), ("gpt", f"answer {i}"))
+        for i in range(5)]
+
+
+def write_array(path: Path, records: list, tail: bytes = b"\n]\n") -> Path:
+    # Pretty-printed like the real file, so records span many lines and chunks.
+    body = ",\n".join(json.dumps(r, indent=2, ensure_ascii=False) for r in records)
+    path.write_bytes(b"[\n" + body.encode("utf-8") + tail)
+    return path
+
+
+def parse(path: Path, **kw) -> tuple[list, LoadStats]:
+    stats = LoadStats(str(path))
+    return list(iter_sharegpt_file(path, stats, **kw)), stats
+
+
+# ---------------------------------------------------------------- normalize_record
+
+@pytest.mark.parametrize("record,reason", [
+    ({"id": "x"}, "missing_field"),
+    ({"conversations": [{"from": "human"}]}, "missing_field"),
+    ({"conversations": [{"value": "hi"}, {"from": "gpt", "value": "yo"}]}, "missing_field"),
+    ({"conversations": None}, "missing_field"),
+    (["not", "a", "dict"], "wrong_type"),
+    ({"conversations": "hello"}, "wrong_type"),
+    ({"conversations": ["hello"]}, "wrong_type"),
+    ({"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "a"}]}, "wrong_type"),
+    ({"conversations": [{"from": "human", "value": " \n\t"}, {"from": "gpt", "value": "a"}]},
+     "empty_turn"),
+    ({"conversations": [{"from": "robot", "value": "hi"}, {"from": "gpt", "value": "a"}]},
+     "unknown_role"),
+    ({"conversations": [{"from": "human", "value": "bad \udcff"}, {"from": "gpt", "value": "a"}]},
+     "non_utf8"),
+    ({"conversations": [{"from": "human", "value": "q"}]}, "no_assistant"),
+    ({"conversations": []}, "no_assistant"),
+    ({"conversations": [{"from": "gpt", "value": "hello, I am a bot"}]}, "no_assistant"),
+])
+def test_normalize_skip_reasons(record, reason):
+    assert normalize_record(record, "sharegpt") == (None, reason)
+
+
+def test_normalize_maps_roles_and_drops_leading_assistant():
+    rec = {"conversations": [{"from": "system", "value": "be nice"}, {"from": "gpt", "value": "Hi!"},
+                             {"from": "human", "value": "q1"}, {"from": "chatgpt", "value": "a1"},
+                             {"from": "user", "value": "q2"}, {"from": "bard", "value": " a2 "}]}
+    msgs, reason = normalize_record(rec, "sharegpt")
+    assert reason is None
+    assert msgs == [{"role": "system", "content": "be nice"}, {"role": "user", "content": "q1"},
+                    {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"},
+                    {"role": "assistant", "content": " a2 "}]
+    uc = {"prompt": "p", "prompt_id": "1", "messages": [{"role": "user", "content": "p"},
+                                                        {"role": "assistant", "content": "r"}]}
+    assert normalize_record(uc, "ultrachat")[0] == [{"role": "user", "content": "p"},
+                                                    {"role": "assistant", "content": "r"}]
+    assert normalize_record({"messages": [{"role": "human", "content": "p"}]}, "ultrachat") == (
+        None, "unknown_role")
+
+
+# ---------------------------------------------------------------- streaming ShareGPT parser
+
+def test_complete_file_and_chunk_boundaries(tmp_path):
+    path = write_array(tmp_path / "ok.json", GOOD)
+    big, big_stats = parse(path)
+    assert len(big) == 5 and big_stats.to_dict()["skipped"] == {}
+    assert big[0][0]["content"] == "question 0 caf\u00e9 \u4e2d\u6587 \U0001f600"
+    for size in (1, 2, 7, 13):  # multibyte characters land on chunk boundaries
+        small, small_stats = parse(path, chunk_size=size)
+        assert small == big and small_stats.to_dict() == big_stats.to_dict()
+
+
+def test_truncated_file_keeps_complete_records(tmp_path):
+    full = write_array(tmp_path / "full.json", GOOD).read_bytes()
+    cut_at = full.index(b"answer 4")  # inside the last record
+    for name, blob in [("mid_string", full[:cut_at + 3]), ("mid_key", full[:cut_at - 12]),
+                       ("after_comma", full[:full.rindex(b",\n{") + 1])]:
+        path = tmp_path / f"{name}.json"
+        path.write_bytes(blob)
+        for size in (7, 1 << 20):
+            convs, stats = parse(path, chunk_size=size)
+            truncated = 0 if name == "after_comma" else 1
+            assert len(convs) == 4, name
+            assert stats.read == 4 + truncated
+            assert stats.skipped == ({"truncated": 1} if truncated else {})
+
+
+def test_malformed_records_are_counted(tmp_path):
+    records = [GOOD[0], {"id": "m"},  # missing conversations
+               {"id": "t", "conversations": "oops"},
+               sg(3, ("human", "   "), ("gpt", "a")),
+               sg(4, ("alien", "hi"), ("gpt", "a")),
+               sg(5, ("human", "placeholder"), ("gpt", "a")),
+               sg(6, ("human", "only a question")),
+               GOOD[1]]
+    raw = b"[\n" + b",\n".join(json.dumps(r).encode() for r in records) + b"\n]"
+    # Invalid UTF-8 (a lone continuation byte and a truncated 3-byte sequence) inside a string.
+    raw = raw.replace(b"placeholder", b"place\x80hol\xe4\xb8der")
+    path = tmp_path / "bad.json"
+    path.write_bytes(raw)
+    for size in (3, 1 << 20):
+        convs, stats = parse(path, chunk_size=size)
+        assert len(convs) == 2
+        assert stats.to_dict() == {"source": str(path), "read": 8, "kept": 2, "skipped": {
+            "empty_turn": 1, "missing_field": 1, "no_assistant": 1, "non_utf8": 1,
+            "unknown_role": 1, "wrong_type": 1}}
+
+
+@pytest.mark.parametrize("content,what", [
+    (None, "cannot open"),
+    (b"", "empty file"),
+    (b'{"id": 1}', "expected '['"),
+    (b'[{"conversations": []} {"conversations": []}]', "expected ',' or ']'"),
+    (b'[{"conversations": []}, garbage, {"conversations": []}]', "invalid JSON"),
+    (b'[{"conversations": []}, xyz', "invalid JSON"),
+    (b'[{"conversations": [}]', "invalid JSON"),
+    (b'[{"conversations": []}] trailing', "after the closing"),
+])
+def test_unreadable_files_raise_one_line(tmp_path, content, what):
+    path = tmp_path / "broken.json"
+    if content is not None:
+        path.write_bytes(content)
+    for size in (2, 1 << 20):
+        with pytest.raises(DataError) as err:
+            parse(path, chunk_size=size)
+        msg = str(err.value)
+        assert str(path) in msg and what in msg and "\n" not in msg
+
+
+def test_max_records(tmp_path):
+    convs, stats = parse(write_array(tmp_path / "ok.json", GOOD), max_records=3)
+    assert len(convs) == 3 and stats.read == 3
+
+
+def test_real_package_file_prefix_and_tail(tmp_path):
+    real = sharegpt_package_path()
+    assert real.name == "ShareGPT_V3_unfiltered_cleaned_split.json"
+    with open(real, "rb") as fh:
+        head = fh.read(2 << 20)
+        fh.seek(-(256 << 10), os.SEEK_END)
+        tail = fh.read()
+    (tmp_path / "head.json").write_bytes(head)
+    big, big_stats = parse(tmp_path / "head.json")
+    small, small_stats = parse(tmp_path / "head.json", chunk_size=4093)
+    assert big == small and big_stats.to_dict() == small_stats.to_dict()
+    assert big_stats.skipped["truncated"] == 1 and len(big) > 100
+    assert big_stats.read == big_stats.kept + sum(big_stats.skipped.values())
+    # The shipped file is cut short: restart the array at a record boundary near its end.
+    start = tail.index(b'\n  {\n    "id": ')
+    (tmp_path / "tail.json").write_bytes(b"[" + tail[start:])
+    convs, stats = parse(tmp_path / "tail.json")
+    assert stats.skipped.get("truncated") == 1 and stats.read >= 2
+
+
+def test_real_package_file_whole():
+    stats = LoadStats("package")
+    t0 = time.perf_counter()
+    n = sum(1 for _ in iter_sharegpt_file(sharegpt_package_path(), stats))
+    seconds = time.perf_counter() - t0
+    print(f"\nShareGPT package file: {stats.to_dict()} in {seconds:.2f}s")
+    assert n == stats.kept > 10_000 and stats.skipped["truncated"] == 1
+    assert stats.read == stats.kept + sum(stats.skipped.values())
+
+
+# ---------------------------------------------------------------- hub loaders (local files)
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    return tmp_path
+
+
+def vicuna_file(tmp_path: Path) -> Path:
+    # Aeala/ShareGPT_Vicuna_unfiltered layout: one JSON array of {"id", "conversations"}.
+    records = GOOD[:3] + [sg(7, ("human", "q"), ("gpt", "")), sg(8, ("narrator", "x"), ("gpt", "y")),
+                          sg(9, ("gpt", "greeting"), ("human", "q"), ("gpt", "a"))]
+    path = tmp_path / "vicuna.json"
+    path.write_text(json.dumps(records, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+def ultrachat_rows() -> list[dict]:
+    def row(i, *msgs):
+        return {"prompt": msgs[0][1], "prompt_id": f"p{i}",
+                "messages": [{"content": c, "role": r} for r, c in msgs]}
+    return [row(0, ("user", "hi"), ("assistant", "hello")),
+            row(1, ("user", "why?"), ("assistant", "because"), ("user", "ok"), ("assistant", "  ")),
+            row(2, ("user", "who"), ("critic", "me")),
+            row(3, ("user", "one"), ("assistant", "two"), ("user", "three"), ("assistant", "four"))]
+
+
+def test_hub_sharegpt_schema_via_data_files(hf_cache):
+    stats = LoadStats("vicuna")
+    convs = list(iter_hub_dataset("Aeala/ShareGPT_Vicuna_unfiltered", "train", "sharegpt", stats,
+                                  data_files=str(vicuna_file(hf_cache))))
+    assert stats.to_dict()["skipped"] == {"empty_turn": 1, "unknown_role": 1}
+    assert stats.read == 6 and stats.kept == 4 == len(convs)
+    assert convs[-1] == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert convs[0][0]["content"] == GOOD[0]["conversations"][0]["value"]
+
+
+def test_hub_ultrachat_schema_jsonl_and_parquet(hf_cache):
+    import datasets
+    rows = ultrachat_rows()
+    jsonl = hf_cache / "uc.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    parquet = hf_cache / "uc.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(parquet))
+    results = []
+    for files in (str(jsonl), [str(parquet)]):
+        stats = LoadStats("uc")
+        convs = list(iter_hub_dataset("HuggingFaceH4/ultrachat_200k", "train_sft", "ultrachat",
+                                      stats, data_files=files))
+        assert stats.to_dict()["skipped"] == {"empty_turn": 1, "unknown_role": 1}
+        assert len(convs) == 2 and len(convs[1]) == 4
+        results.append(convs)
+    assert results[0] == results[1]
+
+
+def test_hub_name_path_and_errors(monkeypatch):
+    import datasets
+    calls = []
+
+    def fake_load(*args, **kwargs):
+        calls.append((args, kwargs))
+        if args[0] == "missing/dataset":
+            raise FileNotFoundError("Couldn't find\na dataset")
+        return datasets.Dataset.from_list(ultrachat_rows())
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    stats = LoadStats("uc")
+    convs = list(iter_hub_dataset("HuggingFaceH4/ultrachat_200k", "train_sft", "ultrachat", stats,
+                                  max_records=3))
+    assert calls[0] == (("HuggingFaceH4/ultrachat_200k",), {"split": "train_sft"})
+    assert len(convs) == 1 and stats.read == 3
+    with pytest.raises(DataError, match="missing/dataset") as err:
+        list(iter_hub_dataset("missing/dataset", "train", "sharegpt", LoadStats("x")))
+    assert "\n" not in str(err.value)
+
+
+def test_load_sources_mixed(hf_cache, monkeypatch):
+    pkg = write_array(hf_cache / "pkg.json", GOOD, tail=b",\n  {\n    \"id\": \"cut")
+    monkeypatch.setattr(data, "sharegpt_package_path", lambda: pkg)
+    uc = hf_cache / "uc.jsonl"
+    uc.write_text("".join(json.dumps(r) + "\n" for r in ultrachat_rows()))
+    stats: list[LoadStats] = []
+    convs = load_sources([{"kind": "sharegpt_package"},
+                          {"kind": "sharegpt_file", "path": str(pkg), "max_records": 2},
+                          {"kind": "hub", "name": "HuggingFaceH4/ultrachat_200k",
+                           "split": "train_sft", "schema": "ultrachat", "data_files": str(uc)}],
+                         stats)
+    assert [(s.read, s.kept) for s in stats] == [(6, 5), (2, 2), (4, 2)]
+    assert stats[0].skipped == {"truncated": 1}
+    assert len(convs) == 9 and convs[5] == convs[0]
+    with pytest.raises(DataError, match="unknown kind"):
+        load_sources([{"kind": "ftp"}], [])
+
+
+# ---------------------------------------------------------------- split
+
+def test_split_determinism():
+    items = list(range(100))
+    train, evals = split_conversations(items, 60, 10, seed=1)
+    assert (train, evals) == split_conversations(items, 60, 10, seed=1)
+    assert (train, evals) != split_conversations(items, 60, 10, seed=2)
+    assert len(train) == 60 and len(evals) == 10 and not set(train) & set(evals)
+    # Asking for more than exists: eval is full, train takes the rest.
+    train, evals = split_conversations(items, 500, 10, seed=1)
+    assert len(evals) == 10 and len(train) == 90 and set(train) | set(evals) == set(items)
+    with pytest.raises(DataError):
+        split_conversations(items[:5], 10, 5, seed=0)  # nothing left for train
+    with pytest.raises(DataError):
+        split_conversations([], 10, 5, seed=0)
+
+
+# ---------------------------------------------------------------- chat format and tokenization
+
+CONVS = [
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?\n"},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "caf\u00e9 \U0001f600 {{ x }}"},
+     {"role": "assistant", "content": "  spaced\n\ntext  "}],
+]
+
+
+def test_render_chat_matches_jinja_template():
+    import jinja2
+    assert render_chat(CONVS[0]) == ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+                                     "Hello! How can I help?<|im_end|>\n")
+    for env in (jinja2.Environment(), jinja2.Environment(trim_blocks=True, lstrip_blocks=True)):
+        template = env.from_string(CHAT_TEMPLATE)
+        for conv in CONVS:
+            for gen in (False, True):
+                assert template.render(messages=conv, add_generation_prompt=gen) == \
+                    render_chat(conv, add_generation_prompt=gen)
+    assert render_chat(CONVS[0], True).endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([render_chat(c) for c in CONVS] * 20, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   additional_special_tokens=specials[:2],
+                                   clean_up_tokenization_spaces=False)
+
+
+def test_tokenize_conversation_mask(tiny_tokenizer):
+    tok = tiny_tokenizer
+    im_end = tok.convert_tokens_to_ids(IM_END)
+    for conv in CONVS:
+        ids, mask = tokenize_conversation(tok, conv, max_len=10_000)
+        assert len(ids) == len(mask) and set(mask) <= {0, 1}
+        assert tok.decode(ids) == render_chat(conv)
+        masked = [i for i, m in zip(ids, mask) if m]
+        expected = "".join(m["content"] + IM_END for m in conv if m["role"] == "assistant")
+        assert tok.decode(masked) == expected
+        # every <|im_end|> closing an assistant turn is trained on, the others are not
+        ends = [m for i, m in zip(ids, mask) if i == im_end]
+        assert ends == [int(m["role"] == "assistant") for m in conv]
+        short_ids, short_mask = tokenize_conversation(tok, conv, max_len=9)
+        assert short_ids == ids[:9] and short_mask == mask[:9]
+
+
+def test_chat_template_in_tokenizer(tiny_tokenizer):
+    tiny_tokenizer.chat_template = CHAT_TEMPLATE
+    for conv in CONVS:
+        text = tiny_tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        assert text == render_chat(conv, add_generation_prompt=True)
+
+
+# ---------------------------------------------------------------- prepare_data / read_jsonl
+
+def test_prepare_data_writes_atomically(tmp_path):
+    src = write_array(tmp_path / "src.json",
+                      [sg(i, ("human", f"q{i}"), ("gpt", "a" * (i % 4 + 1))) for i in range(30)])
+    out = tmp_path / "out"
+    stats = prepare_data([{"kind": "sharegpt_file", "path": str(src)}], train_samples=100,
+                         eval_samples=5, seed=3, out_dir=out, min_assistant_chars=2)
+    assert sorted(os.listdir(out)) == ["eval.jsonl", "stats.json", "train.jsonl"]
+    assert json.loads((out / "stats.json").read_text()) == stats
+    assert stats["too_short"] == 8 and stats["available"] == 22
+    assert (stats["train"], stats["eval"], stats["seed"]) == (17, 5, 3)
+    assert stats["requested"]["train"] == 100 and stats["sources"][0]["kept"] == 30
+    train, evals = read_jsonl(out / "train.jsonl"), read_jsonl(out / "eval.jsonl")
+    assert len(train) == 17 and len(evals) == 5
+    ids = [r["id"] for r in train + evals]
+    assert len(set(ids)) == 22 and all(i.startswith("0:") for i in ids)
+    again = prepare_data([{"kind": "sharegpt_file", "path": str(src)}], 100, 5, 3, tmp_path / "b",
+                         min_assistant_chars=2)
+    assert again == stats and (tmp_path / "b" / "train.jsonl").read_bytes() == \
+        (out / "train.jsonl").read_bytes()
+
+
+def test_prepare_data_failure_leaves_nothing(tmp_path, monkeypatch):
+    src = write_array(tmp_path / "src.json", GOOD)
+
+    def boom(*_):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(data.os, "replace", boom)
+    with pytest.raises(OSError):
+        prepare_data([{"kind": "sharegpt_file", "path": str(src)}], 3, 1, 0, tmp_path / "out")
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_read_jsonl_errors(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"id": "a", "messages": [{"role": "user", "content": "q"}]}\n\n{broken\n')
+    with pytest.raises(DataError, match=r"x\.jsonl:3: invalid JSON"):
+        read_jsonl(path)
+    path.write_text('{"id": "a", "messages": [{"role": "robot", "content": "q"}]}\n')
+    with pytest.raises(DataError, match=r"x\.jsonl:1:"):
+        read_jsonl(path)
+    with pytest.raises(DataError, match="cannot open"):
+        read_jsonl(tmp_path / "nope.jsonl")

@@ -1,0 +1,40 @@
+# Helpers shared by every rule file. All stage logic lives in the kvshot package.
+import json
+import sys
+from pathlib import Path
+
+SRC = str(Path(workflow.basedir) / "src")
+sys.path.insert(0, SRC)
+
+from kvshot.config import ConfigError, stage_config, validate_config  # noqa: E402
+
+SPLITS = ["train", "eval"]
+CPU_ENV = "../../envs/cpu.yaml"
+
+
+def _config_source():
+    files = [str(f) for f in getattr(workflow, "configfiles", [])] or ["config/config.yaml"]
+    return " + ".join(files)
+
+
+try:
+    validate_config(config, _config_source())
+except ConfigError as exc:
+    raise WorkflowError(f"invalid config: {exc}") from None
+
+
+# The package runs from this checkout in every job, local, conda or SLURM alike.
+shell.prefix("export PYTHONPATH=" + SRC + ":$PYTHONPATH; ")
+
+
+def stage_params(*sections):
+    """The config a stage depends on, as JSON: changing it reruns that stage only."""
+    return json.dumps(stage_config(config, *sections), sort_keys=True)
+
+
+def log_path(rule_name, suffix=""):
+    return f"logs/{rule_name}{suffix}.log"
+
+
+def bench_path(rule_name, suffix=""):
+    return f"results/benchmarks/rules/{rule_name}{suffix}.tsv"

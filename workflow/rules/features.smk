@@ -1,0 +1,23 @@
+rule capture_features:
+    input:
+        split="results/data/{split}.jsonl",
+        target="results/target/model",
+    output:
+        directory("results/features/{split}"),
+    wildcard_constraints:
+        split="train|eval",
+    params:
+        cfg=stage_params("data", "target", "features"),
+    log:
+        log_path("capture_features", "_{split}"),
+    benchmark:
+        bench_path("capture_features", "_{split}")
+    conda:
+        CPU_ENV
+    threads: 1
+    resources:
+        mem_mb=8000,
+        runtime=60,
+    shell:
+        "python -m kvshot capture-features --config {params.cfg:q} --threads {threads} --split {input.split}"
+        " --target {input.target} --out {output} > {log} 2>&1"
