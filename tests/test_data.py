@@ -257,6 +257,11 @@ def test_hub_name_path_and_errors(monkeypatch):
     with pytest.raises(DataError, match="missing/dataset") as err:
         list(iter_hub_dataset("missing/dataset", "train", "sharegpt", LoadStats("x")))
     assert "\n" not in str(err.value)
+    # a file name that is not a local path picks that file inside the hub repo
+    list(iter_hub_dataset("Aeala/ShareGPT_Vicuna_unfiltered", "train", "sharegpt", LoadStats("a"),
+                          data_files="ShareGPT_V4.3_unfiltered_cleaned_split.json", max_records=1))
+    assert calls[-1] == (("Aeala/ShareGPT_Vicuna_unfiltered",),
+                         {"data_files": ["ShareGPT_V4.3_unfiltered_cleaned_split.json"], "split": "train"})
 
 
 def test_load_sources_mixed(hf_cache, monkeypatch):

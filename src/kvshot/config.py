@@ -48,8 +48,37 @@ def _short_message(error: jsonschema.ValidationError) -> str:
     return error.message
 
 
-def validate_config(cfg: Any, source: str, sections: tuple[str, ...] | None = None) -> None:
-    """Raise ConfigError for the first schema violation (deepest path first)."""
+def _defines(spec: str, path: list[str]) -> bool:
+    """Whether a config file (or inline JSON) sets the value at `path`."""
+    try:
+        node = json.loads(spec) if spec.lstrip().startswith("{") else yaml.safe_load(Path(spec).read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    for key in path:
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return False
+    return True
+
+
+def blame(sources: list[str], path: list[str]) -> str:
+    """The file a bad field comes from: the last one in merge order that sets it."""
+    for spec in reversed(sources):
+        if _defines(spec, path):
+            return "<inline config>" if spec.lstrip().startswith("{") else spec
+    return " + ".join("<inline config>" if s.lstrip().startswith("{") else s for s in sources)
+
+
+def validate_config(cfg: Any, sources: str | list[str], sections: tuple[str, ...] | None = None) -> None:
+    """Raise ConfigError for the first schema violation (deepest path first).
+
+    `sources` are the config files in merge order; the error names the one that
+    set the bad value (for a missing key: the one that set its parent)."""
+    sources = [sources] if isinstance(sources, str) else list(sources)
+    source = " + ".join(sources)
     schema = load_schema()
     if sections is not None:
         # A stage sees only its own sections plus the globals.
@@ -61,8 +90,9 @@ def validate_config(cfg: Any, source: str, sections: tuple[str, ...] | None = No
                     key=lambda e: (-len(e.absolute_path), list(map(str, e.absolute_path))))
     if errors:
         err = errors[0]
-        raise ConfigError(f"{source}: {_field_path(err)}: {_short_message(err)}")
-    _check_semantics(cfg, source)
+        path = [str(p) for p in err.absolute_path]
+        raise ConfigError(f"{blame(sources, path)}: {_field_path(err)}: {_short_message(err)}")
+    _check_semantics(cfg, source)  # mode-dependent checks name all files
 
 
 def _check_semantics(cfg: dict, source: str) -> None:
@@ -118,7 +148,7 @@ def read_config(specs: list[str], sections: tuple[str, ...] | None = None) -> di
         if not isinstance(part, dict):
             raise ConfigError(f"{spec}: <top level>: expected a mapping")
         cfg = merge(cfg, part)
-    validate_config(cfg, " + ".join(s if not s.lstrip().startswith("{") else "<inline>" for s in specs), sections)
+    validate_config(cfg, specs, sections)
     return cfg
 
 

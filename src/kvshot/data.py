@@ -236,11 +236,15 @@ def iter_hub_dataset(name: str, split: str, schema: str, stats: LoadStats,
     import datasets
 
     try:
-        if data_files is not None:
-            files = [str(f) for f in ([data_files] if isinstance(data_files, (str, Path))
-                                      else data_files)]
+        files = None if data_files is None else [
+            str(f) for f in ([data_files] if isinstance(data_files, (str, Path)) else data_files)]
+        if files is not None and all(Path(f).exists() for f in files):
+            # local files in the hub dataset's schema (tests, or an offline mirror)
             builder = "parquet" if all(f.endswith(".parquet") for f in files) else "json"
             ds = datasets.load_dataset(builder, data_files=files, split="train")
+        elif files is not None:
+            # files inside the hub repo (Aeala's ShareGPT repo mixes JSON files of other schemas)
+            ds = datasets.load_dataset(name, data_files=files, split=split)
         else:
             ds = datasets.load_dataset(name, split=split)
     except Exception as e:  # network, schema-cast and missing-file errors all look different

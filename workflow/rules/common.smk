@@ -12,19 +12,21 @@ SPLITS = ["train", "eval"]
 CPU_ENV = "../../envs/cpu.yaml"
 
 
-def _config_source():
-    files = [str(f) for f in getattr(workflow, "configfiles", [])] or ["config/config.yaml"]
-    return " + ".join(files)
+def _config_files():
+    """Config files in merge order: the Snakefile's `configfile:`, then --configfile overlays."""
+    overlays = [str(f) for f in getattr(workflow, "overwrite_configfiles", None) or []]
+    base = [str(f) for f in getattr(workflow, "configfiles", []) if str(f) not in overlays]
+    return base + overlays
 
 
 try:
-    validate_config(config, _config_source())
+    validate_config(config, _config_files())
 except ConfigError as exc:
     raise WorkflowError(f"invalid config: {exc}") from None
 
 
 # The package runs from this checkout in every job, local, conda or SLURM alike.
-shell.prefix("export PYTHONPATH=" + SRC + ":$PYTHONPATH; ")
+shell.prefix(f"export PYTHONPATH={SRC}:$PYTHONPATH; ")
 
 
 def stage_params(*sections):

@@ -1,0 +1,103 @@
+"""The Snakemake DAG: smoke run end to end, paper dry-run, lint, and failures that
+leave no half-written outputs."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO
+
+LINKED = ("Snakefile", "workflow", "config", "envs", "src")
+
+
+def workdir(tmp_path: Path) -> Path:
+    """A fresh working directory that sees the repo's workflow but writes its own results/."""
+    for name in LINKED:
+        (tmp_path / name).symlink_to(REPO / name)
+    return tmp_path
+
+
+def snakemake(cwd: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(["snakemake", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def dry_run_jobs(cwd: Path, *configfiles: str) -> dict[str, int]:
+    extra = ["--configfile", *configfiles] if configfiles else []
+    proc = snakemake(cwd, "-n", "--cores", "1", *extra)
+    assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
+    out = proc.stdout + proc.stderr
+    assert "warning" not in out.lower(), out
+    table = out[out.index("Job stats:"):]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m.group(1) != "total"}
+
+
+@pytest.mark.slow
+def test_smoke_dag_end_to_end(tmp_path):
+    wd = workdir(tmp_path)
+    proc = snakemake(wd, "--cores", "2", "--configfile", "config/smoke.yaml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = json.loads((wd / "results/data/stats.json").read_text())
+    src = stats["sources"][0]
+    assert src["read"] == src["kept"] + sum(src["skipped"].values()) and src["skipped"]["truncated"] == 1
+    assert (stats["train"], stats["eval"]) == (48, 8)
+    metrics = json.loads((wd / "results/target/metrics.json").read_text())
+    assert metrics["heldout_loss"] < metrics["initial_heldout_loss"]
+    for split, n in (("train", 48), ("eval", 8)):
+        index = json.loads((wd / f"results/features/{split}/index.json").read_text())
+        assert index["mode"] == "offline" and index["num_samples"] == n
+        assert index["bytes_per_token"] == sum(index["bytes_per_token_by_tensor"].values())
+    for rule in ("prepare_data", "train_tokenizer", "target", "capture_features_train", "capture_features_eval"):
+        assert (wd / f"logs/{rule}.log").exists()
+        assert (wd / f"results/benchmarks/rules/{rule}.tsv").exists()
+    # everything is up to date afterwards; a config change reruns only what depends on it
+    assert "Nothing to be done" in (snakemake(wd, "-n", "--configfile", "config/smoke.yaml").stdout)
+    (wd / "more.yaml").write_text("features:\n  kv_layers: [3]\n")
+    jobs = dry_run_jobs(wd, "config/smoke.yaml", "more.yaml")
+    assert jobs == {"capture_features": 2, "all": 1}
+
+
+def test_paper_dag_dry_runs_with_the_default_rule_graph(tmp_path):
+    wd = workdir(tmp_path)
+    default = dry_run_jobs(wd)
+    paper = dry_run_jobs(wd, "config/paper.yaml")
+    smoke = dry_run_jobs(wd, "config/smoke.yaml")
+    assert default == paper == smoke
+    assert set(default) == {"prepare_data", "train_tokenizer", "target", "capture_features", "all"}
+
+
+def test_lint_is_clean(tmp_path):
+    proc = snakemake(workdir(tmp_path), "--lint")
+    assert proc.returncode == 0 and "Congratulations" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_every_rule_has_log_benchmark_and_conda():
+    for smk in (REPO / "workflow/rules").glob("*.smk"):
+        text = smk.read_text()
+        for rule in re.split(r"^rule ", text, flags=re.M)[1:]:
+            name = rule.split(":")[0]
+            for directive in ("log:", "benchmark:", "conda:", "threads:", "resources:"):
+                assert directive in rule, f"{smk.name}: rule {name} lacks {directive}"
+
+
+def test_bad_config_fails_before_any_job(tmp_path):
+    wd = workdir(tmp_path)
+    (wd / "bad.yaml").write_text("features:\n  batch_tokens: many\n")
+    proc = snakemake(wd, "--cores", "1", "--configfile", "bad.yaml")
+    assert proc.returncode != 0
+    assert "bad.yaml: features.batch_tokens: 'many' is not of type 'integer'" in proc.stderr
+    assert not (wd / "results").exists()
+
+
+def test_corrupt_data_file_fails_in_one_line_and_writes_nothing(tmp_path):
+    wd = workdir(tmp_path)
+    (wd / "corrupt.json").write_text('{"id": "x", "conversations": []}')  # not a JSON array
+    (wd / "bad_data.yaml").write_text(f"data:\n  sources:\n    - kind: sharegpt_file\n      path: {wd / 'corrupt.json'}\n")
+    proc = snakemake(wd, "results/data/stats.json", "--cores", "1", "--configfile", "config/smoke.yaml", "bad_data.yaml")
+    assert proc.returncode != 0
+    log = (wd / "logs/prepare_data.log").read_text().strip().splitlines()
+    assert log[-1].startswith("kvshot prepare-data: error: ") and "corrupt.json" in log[-1]
+    assert not (wd / "results/data").exists() or not any((wd / "results/data").iterdir())
