@@ -60,3 +60,15 @@ def tiny(tmp_path_factory):
                      str(root / "metrics.json"))
     return {"root": root, "cfg": cfg, "rt": rt, "train": train, "eval": evals,
             "tokenizer": root / "tokenizer", "model": root / "model", "metrics": root / "metrics.json"}
+
+
+@pytest.fixture(scope="session")
+def tiny_features(tiny):
+    """Offline features of the tiny target for both splits."""
+    from kvshot.features import capture_split
+
+    out = {}
+    for split in ("train", "eval"):
+        out[split] = tiny["root"] / "features" / split
+        capture_split(tiny["cfg"], tiny["rt"], str(tiny[split]), str(tiny["model"]), str(out[split]))
+    return out

@@ -16,7 +16,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-SECTIONS = ("data", "tokenizer", "target", "features")
+SECTIONS = ("data", "tokenizer", "target", "features", "drafters")
 GLOBALS = ("seed", "device", "dtype", "threads")
 
 

@@ -212,6 +212,9 @@ class _Tokens:
     def __len__(self) -> int:
         return self.index["num_samples"]
 
+    def tokens(self, i: int) -> dict[str, Tensor]:
+        return self._read(i, TOKEN_KEYS)
+
     def _read(self, i: int, names) -> dict[str, Tensor]:
         shard, start, n = self.index["samples"][i]
         if shard not in self._handles:
@@ -240,7 +243,7 @@ class OnlineFeatures(_Tokens):
         return {k: v[0] for k, v in self.batch([i]).items() if k != "attention_mask"}
 
     def batch(self, ids: list[int]) -> dict[str, Tensor]:
-        tokens = [self._read(i, TOKEN_KEYS) for i in ids]
+        tokens = [self.tokens(i) for i in ids]
         batch = pad_batch(tokens, self.index["pad_id"])
         ctx = target_forward(self.model, batch["input_ids"].long().to(self.rt.device),
                              batch["attention_mask"].to(self.rt.device), self.spec.aux_layers, self.spec.kv_layers)

@@ -43,6 +43,14 @@ def load_target(target_dir: str | Path, rt: Runtime, attn: str = "auto") -> Qwen
     return model.to(rt.device).eval()
 
 
+def rope_theta(config) -> float:
+    """The target's RoPE base; KV-path drafters must rotate their queries the same way."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "default":
+        raise ValueError(f"target uses rope_type {params['rope_type']!r}; kvshot's drafters implement 'default' only")
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
 # ------------------------------------------------------------------ the capture forward
 
 @dataclass
@@ -209,3 +217,19 @@ def pretrain(model: Qwen3ForCausalLM, blocks: Tensor, pcfg: dict, rt: Runtime) -
             "train_loss_first": losses[0] if losses else None,
             "train_loss_last10": sum(losses[-10:]) / max(1, len(losses[-10:])),
             "train_seconds": time.time() - start}
+
+
+@torch.no_grad()
+def target_queries(model: Qwen3ForCausalLM, input_ids: Tensor, attention_mask: Tensor | None,
+                   layers: list[int]) -> dict[int, Tensor]:
+    """The target's own attention queries (after q-norm, before RoPE) per layer, [B, H, T, D]:
+    what a KV-path drafter has to estimate for a future position."""
+    captured: dict[int, Tensor] = {}
+    hooks = [model.model.layers[l].self_attn.q_norm.register_forward_hook(
+        lambda _m, _i, out, l=l: captured.__setitem__(l, out.transpose(1, 2))) for l in set(layers)]
+    try:
+        model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return captured

@@ -1,0 +1,61 @@
+"""KV-only reuse: no target hidden states. Queries come from token embeddings through
+the drafter's own layers; each layer re-attends to one target layer's KV cache of the
+prefix plus the keys its own W_K, W_V project from the drafted tokens."""
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from .skeleton import Attention, DecoderLayer, Drafter, DrafterConfig, Keys, StepState
+
+
+def target_prefix(ctx: dict[str, Tensor], layer: int) -> Keys:
+    """Captured target keys/values [B, T, H_kv, D] -> [B, H_kv, T, D]."""
+    return Keys(ctx[f"key_{layer}"].transpose(1, 2), ctx[f"value_{layer}"].transpose(1, 2))
+
+
+def kv_state(ctx: dict[str, Tensor], anchors: Tensor, kv_layers: list[int], state: StepState | None = None,
+             first_slot: int = 0) -> StepState:
+    """Fill slots first_slot.. with the target prefix of each mapped target layer."""
+    t_prefix = ctx[f"key_{kv_layers[0]}"].shape[1]
+    prefix_anchor = ctx.get("prefix_anchor")
+    if prefix_anchor is None:  # training: prefix key j was computed by the target at anchor j
+        import torch
+
+        prefix_anchor = torch.arange(t_prefix, device=anchors.device).expand(anchors.shape[0], -1)
+    if state is None:
+        n = first_slot + len(kv_layers)
+        state = StepState(anchors=anchors, prefix=[None] * n, prefix_anchor=[None] * n,
+                          prefix_valid=[None] * n, diag=[[] for _ in range(n)])
+    for j, layer in enumerate(kv_layers):
+        state.prefix[first_slot + j] = target_prefix(ctx, layer)
+        state.prefix_anchor[first_slot + j] = prefix_anchor
+        state.prefix_valid[first_slot + j] = ctx.get("valid")
+    return state
+
+
+def kv_attention(state: StepState, slot: int, attn: Attention, x: Tensor, positions: Tensor) -> Tensor:
+    """Every step's own keys are diagonals: the prefix is the target's, never the drafter's."""
+    q, keys = attn.project(x, positions)
+    state.diag[slot].append(keys)
+    return attn.attend(q, state.prefix[slot], state.visible(slot), state.diag[slot])
+
+
+class KVDrafter(Drafter):
+    paradigm = "kv"
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg.hidden_size, cfg) for _ in range(cfg.num_layers))
+
+    def begin(self, ctx: dict[str, Tensor], anchors: Tensor, previous: StepState | None = None) -> StepState:
+        return kv_state(ctx, anchors, self.cfg.kv_layers)
+
+    def step(self, state: StepState, input_ids: Tensor, positions: Tensor, k: int) -> Tensor:
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = h + kv_attention(state, i, layer.self_attn, layer.attn_norm(h), positions)
+            h = layer.mlp_block(h)
+        return h
+
+    def kv_attentions(self) -> list[tuple[int, Attention]]:
+        return [(l, layer.self_attn) for l, layer in zip(self.cfg.kv_layers, self.layers)]

@@ -1,0 +1,253 @@
+"""The drafter skeleton every paradigm shares.
+
+A drafter is unrolled for K steps from a set of *anchors*: anchor t is a position
+the target has computed (its context covers tokens <= t). At step k the drafter
+reads the token x_{t+k+1} (at position t+k+1) and predicts x_{t+k+2}.
+
+Attention at step k for anchor t sees two kinds of keys:
+  prefix  keys shared by all steps, visible when key_anchor <= t: the drafter's own
+          step-0 keys (hidden-only, as EAGLE-3) or the target's KV cache (KV path);
+  diag    the drafter's own keys from the steps of the *same* anchor (one per step).
+Training runs all anchors of a sequence at once (no loop over positions); decoding
+runs the same code with the anchors of one round.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from ..io import atomic_dir
+
+
+@dataclass
+class DrafterConfig:
+    paradigm: str                      # hidden | kv | hybrid
+    hidden_size: int                   # = the target's hidden size (embedding is shared)
+    num_layers: int
+    num_attention_heads: int           # KV path: must equal the target's (shared query geometry)
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int                    # target vocabulary
+    draft_vocab_size: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    num_aux: int = 3                   # EAGLE-3 fuses three target hidden states
+    kv_layers: list[int] = field(default_factory=list)   # target layer read by each KV-path layer
+    gate_shape: str = "scalar"         # hybrid: scalar | channel
+    gate_init: float = 0.5             # hybrid: initial g = sigmoid(gate_logit)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> "DrafterConfig":
+        return cls(**json.loads(path.read_text()))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+def rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """Rotate x [B, H, T, D] at positions [B, T]; the rotate-half form Qwen3 uses."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    angles = positions.to(torch.float32)[..., None] * inv_freq          # [B, T, D/2]
+    emb = torch.cat([angles, angles], dim=-1)[:, None]                  # [B, 1, T, D]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, inner, bias=False)
+        self.up_proj = nn.Linear(dim, inner, bias=False)
+        self.down_proj = nn.Linear(inner, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass
+class Keys:
+    """Rotated keys and values, [B, H_kv, T, D]."""
+
+    k: Tensor
+    v: Tensor
+
+
+class Attention(nn.Module):
+    """Qwen3-style attention (q/k norm, RoPE, GQA) over prefix + diagonal keys."""
+
+    def __init__(self, in_dim: int, cfg: DrafterConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.theta = cfg.rope_theta
+        self.q_proj = nn.Linear(in_dim, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.last_query: Tensor | None = None   # pre-RoPE normed query, for the query-error diagnostic
+
+    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Keys]:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        self.last_query = q
+        return rope(q, positions, self.theta), Keys(rope(k, positions, self.theta), v)
+
+    def attend(self, q: Tensor, prefix: Keys, prefix_visible: Tensor, diag: list[Keys]) -> Tensor:
+        """q [B, H, Tq, D]; prefix keys [B, Hkv, Tp, D] visible where prefix_visible [B, Tq, Tp];
+        diag: per earlier step, keys [B, Hkv, Tq, D] of the same query row."""
+        b, h, tq, d = q.shape
+        group = h // self.n_kv
+        qg = q.view(b, self.n_kv, group, tq, d)
+        scale = 1.0 / math.sqrt(d)
+        s_prefix = torch.einsum("bngqd,bnkd->bngqk", qg, prefix.k) * scale
+        s_prefix = s_prefix.masked_fill(~prefix_visible[:, None, None], float("-inf"))
+        scores = [s_prefix]
+        if diag:
+            dk = torch.stack([x.k for x in diag], dim=-2)                   # [B, Hkv, Tq, S, D]
+            scores.append(torch.einsum("bngqd,bnqsd->bngqs", qg, dk) * scale)
+        probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+        tp = prefix.k.shape[2]
+        out = torch.einsum("bngqk,bnkd->bngqd", probs[..., :tp], prefix.v)
+        if diag:
+            dv = torch.stack([x.v for x in diag], dim=-2)
+            out = out + torch.einsum("bngqs,bnqsd->bngqd", probs[..., tp:], dv)
+        return self.o_proj(out.reshape(b, h, tq, d).transpose(1, 2).reshape(b, tq, h * d))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU. `in_dim` may exceed hidden_size (EAGLE-3's first
+    layer reads [embedding; hidden]); the residual is then the hidden half."""
+
+    def __init__(self, in_dim: int, cfg: DrafterConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(in_dim, cfg.rms_norm_eps)
+        self.self_attn = Attention(in_dim, cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def mlp_block(self, h: Tensor) -> Tensor:
+        return h + self.mlp(self.mlp_norm(h))
+
+
+@dataclass
+class StepState:
+    """What a paradigm carries between steps of one unroll."""
+
+    anchors: Tensor                       # [B, Tq] anchor index of each query row
+    prefix: list[Keys | None]             # per layer
+    prefix_anchor: list[Tensor | None]    # per layer, [B, Tp] anchor index of each prefix key
+    prefix_valid: list[Tensor | None]     # per layer, [B, Tp] padding mask (None: all valid)
+    diag: list[list[Keys]] = field(default_factory=list)   # per layer, one Keys per step
+    hidden: Tensor | None = None          # hidden-state paradigms: the carried state
+    extra: dict = field(default_factory=dict)
+
+    def select_rows(self, rows: Tensor | slice) -> None:
+        """Keep only some query rows (decoding: after step 0 over the newly accepted tokens,
+        only the last anchor goes on drafting). Prefix caches are untouched."""
+        self.anchors = self.anchors[:, rows]
+        if self.hidden is not None:
+            self.hidden = self.hidden[:, rows]
+        self.diag = [[Keys(d.k[:, :, rows], d.v[:, :, rows]) for d in slot] for slot in self.diag]
+        if self.extra.get("valid") is not None:
+            self.extra["valid"] = self.extra["valid"][:, rows]
+
+    def visible(self, slot: int) -> Tensor:
+        """[B, Tq, Tp]: a prefix key is visible to an anchor computed no later than it."""
+        vis = self.prefix_anchor[slot][:, None, :] <= self.anchors[:, :, None]
+        if self.prefix_valid[slot] is not None:
+            vis = vis & self.prefix_valid[slot][:, None, :].bool()
+        return vis
+
+
+class Drafter(nn.Module):
+    """Shared parts: frozen target embedding, decoder layers, final norm, draft-vocab head.
+    A paradigm subclass says how the target's context enters (`begin`, `step`)."""
+
+    paradigm = "base"
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size), persistent=True)
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool), persistent=True)
+
+    # -------------------------------------------------------------- paradigm hooks
+    def begin(self, ctx: dict[str, Tensor], anchors: Tensor, previous: StepState | None = None) -> StepState:
+        """Start an unroll from `anchors` [B, Tq]. ctx holds the target's context: aux hidden
+        states at the anchor rows, and/or the prefix KV [B, Tp, H_kv, D] (with `valid`, and
+        `prefix_anchor` when it is not simply 0..Tp-1). `previous` carries the drafter's own
+        prefix cache from earlier rounds (decoding)."""
+        raise NotImplementedError
+
+    def step(self, state: StepState, input_ids: Tensor, positions: Tensor, k: int) -> Tensor:
+        """One draft step for every anchor row: returns the output hidden state [B, Tq, H]."""
+        raise NotImplementedError
+
+    def kv_path_parameters(self) -> dict[str, list[nn.Parameter]]:
+        """Parameter groups of the KV path, for the gradient diagnostics (empty: no KV path)."""
+        return {}
+
+    def kv_attentions(self) -> list[tuple[int, Attention]]:
+        """(target layer, attention) pairs whose queries re-attend to the target's KV."""
+        return []
+
+    # -------------------------------------------------------------- shared
+    def forward(self, batch: dict[str, Tensor], steps: int, keep_queries: bool = False):
+        """The TTT unroll over every anchor of a batch (what DDP wraps)."""
+        from ..ttt import unroll
+
+        return unroll(self, batch, steps, keep_queries)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def set_vocab(self, embed: Tensor, d2t: Tensor) -> None:
+        self.embed_tokens.weight.data.copy_(embed)
+        self.d2t.copy_(d2t)
+        self.t2d.zero_()
+        self.t2d[d2t] = True
+
+    def save(self, folder: str | Path, extra_files: dict[str, object] | None = None) -> None:
+        with atomic_dir(folder) as tmp:
+            self.cfg.save(tmp / "config.json")
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
+                      str(tmp / "model.safetensors"))
+            for name, obj in (extra_files or {}).items():
+                (tmp / name).write_text(json.dumps(obj, indent=2))
+
+
+def load_drafter(folder: str | Path, device: str = "cpu") -> Drafter:
+    from . import build_drafter
+
+    folder = Path(folder)
+    model = build_drafter(DrafterConfig.load(folder / "config.json"))
+    model.load_state_dict(load_file(str(folder / "model.safetensors"), device=device))
+    return model.to(device)

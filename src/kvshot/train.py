@@ -1,0 +1,278 @@
+"""The `train_drafter` stage: one TTT trainer for every variant, with checkpoints that
+resume bit-identically, NaN guards, bottleneck diagnostics and optional DDP (accelerate)."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .config import ConfigError, Runtime
+from .drafters import Drafter, DrafterConfig, build_drafter
+from .features import FeatureSource, open_features
+from .io import read_json, write_json
+from .target import load_target, lr_at, rope_theta, target_queries
+from .ttt import Unrolled, shift, step_losses, target_labels, unroll, weighted_loss, query_cosine
+
+
+def variant_config(cfg: dict, name: str) -> dict:
+    """A variant's settings: the drafter defaults, its own entry, and its train overrides."""
+    dcfg = cfg["drafters"]
+    entries = {v["name"]: v for v in dcfg["variants"]}
+    if name not in entries:
+        raise ConfigError(f"config: drafters.variants: no variant named {name!r} (have {sorted(entries)})")
+    v = copy.deepcopy(entries[name])
+    v["train"] = {**dcfg["train"], **v.get("train", {})}
+    return v
+
+
+def draft_vocab(source: FeatureSource, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent assistant-side tokens of the train split (ties: lower id),
+    as sorted target ids (d2t)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in range(len(source)):
+        s = source.tokens(i)
+        counts += torch.bincount(s["input_ids"][s["loss_mask"].bool()].long(), minlength=vocab_size)
+    size = min(size, vocab_size)
+    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))[:size]
+    return torch.tensor(sorted(order), dtype=torch.long)
+
+
+def build_variant(v: dict, target_cfg, embed: torch.Tensor, d2t: torch.Tensor) -> Drafter:
+    n_target = target_cfg.num_hidden_layers
+    depth = v["layers"]
+    kv_layers = v.get("kv_layers") or list(range(n_target - depth, n_target))  # the top target layers
+    if v["paradigm"] != "hidden" and len(kv_layers) != depth:
+        raise ConfigError(f"config: drafters.variants.{v['name']}.kv_layers: {len(kv_layers)} layers for depth {depth}")
+    dc = DrafterConfig(
+        paradigm=v["paradigm"], hidden_size=target_cfg.hidden_size, num_layers=depth,
+        num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
+        head_dim=target_cfg.head_dim, intermediate_size=v.get("intermediate_size") or target_cfg.intermediate_size,
+        vocab_size=target_cfg.vocab_size, draft_vocab_size=len(d2t), rope_theta=rope_theta(target_cfg),
+        rms_norm_eps=target_cfg.rms_norm_eps, kv_layers=[] if v["paradigm"] == "hidden" else list(kv_layers),
+        gate_shape=v.get("gate_shape", "scalar"), gate_init=float(v.get("gate_init", 0.5)))
+    model = build_drafter(dc)
+    model.set_vocab(embed, d2t)
+    return model
+
+
+# ---------------------------------------------------------------- diagnostics
+
+def param_groups(model: Drafter) -> dict[str, list[torch.nn.Parameter]]:
+    """Groups for gradient norms; the KV path's drafter-side W_K/W_V stand alone."""
+    kv_modules = {id(attn) for _, attn in model.kv_attentions()}
+    kv_names = {f"{name}." for name, mod in model.named_modules() if id(mod) in kv_modules}
+    groups: dict[str, list] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        prefix = next((k for k in kv_names if name.startswith(k)), None)
+        if prefix is not None:
+            g = "kv_wk_wv" if name[len(prefix):].startswith(("k_proj", "v_proj")) else "kv_query_out"
+        elif name.startswith("gate"):
+            g = "gate"
+        elif name.startswith("fc."):
+            g = "fusion"
+        elif name.startswith("lm_head"):
+            g = "lm_head"
+        else:
+            g = "body"
+        groups.setdefault(g, []).append(p)
+    return groups
+
+
+def grad_norms(groups: dict[str, list]) -> dict[str, float]:
+    out = {}
+    for g, params in groups.items():
+        sq = sum(float(p.grad.float().pow(2).sum()) for p in params if p.grad is not None)
+        out[g] = math.sqrt(sq)
+    return out
+
+
+def kv_key_share(valid: list[torch.Tensor]) -> float:
+    """Share of the keys a KV-path query attends that come from the drafter's own W_K/W_V
+    (and so pass gradient to them): (k+1) drafted keys vs (t+1) copied target keys at
+    anchor t, step k, averaged over scored (anchor, step) pairs."""
+    num, den = 0.0, 0
+    for k, v in enumerate(valid):
+        t = torch.arange(v.shape[1], dtype=torch.float32).expand_as(v)
+        num += float(((k + 1) / (t + k + 2))[v].sum())
+        den += int(v.sum())
+    return num / max(den, 1)
+
+
+# ---------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def evaluate(model: Drafter, source: FeatureSource, head_w: torch.Tensor, steps: int, batch_size: int,
+             max_batches: int, target=None) -> dict:
+    """Teacher-forced metrics per step on the eval split: loss_k, acc_k, and the query error."""
+    model.eval()
+    from .features import batches
+
+    sums = {"loss": [0.0] * steps, "n": [0] * steps, "correct": [0] * steps, "acc_n": [0] * steps}
+    cos_sum, cos_n = [0.0] * steps, 0
+    kv = model.kv_attentions()
+    for i, batch in enumerate(batches(source, batch_size)):
+        if i >= max_batches:
+            break
+        labels = target_labels(batch["last_hidden"], head_w, model.d2t)
+        un = unroll(model, batch, steps, keep_queries=bool(kv) and target is not None)
+        losses, counts, correct, acc_n = step_losses(model, un, batch, labels)
+        for k in range(steps):
+            sums["loss"][k] += float(losses[k]) * int(counts[k])
+            sums["n"][k] += int(counts[k])
+            sums["correct"][k] += int(correct[k])
+            sums["acc_n"][k] += int(acc_n[k])
+        if un.queries:
+            layers = [l for l, _ in kv]
+            tq = target_queries(target, batch["input_ids"].long(), batch["attention_mask"], layers)
+            cos = query_cosine(un, tq, layers)
+            cos_sum = [a + b for a, b in zip(cos_sum, cos)]
+            cos_n += 1
+    model.train()
+    return {
+        "loss": [l / max(n, 1) for l, n in zip(sums["loss"], sums["n"])],
+        "acc": [c / max(n, 1) for c, n in zip(sums["correct"], sums["acc_n"])],
+        "acc_note": "teacher-forced top-1 agreement with the target's greedy token (acc_k), not alpha_k",
+        "tokens": sums["acc_n"],
+        "query_cosine": [c / cos_n for c in cos_sum] if cos_n else None,
+    }
+
+
+# ---------------------------------------------------------------- training
+
+def _fingerprint(v: dict, cfg: dict, train_dir: str, target_dir: str) -> str:
+    """What a checkpoint must match to be resumed (a changed config starts afresh)."""
+    key = {"variant": v, "seed": cfg["seed"], "drafters": {k: cfg["drafters"][k] for k in ("ttt_steps", "step_decay",
+           "draft_vocab_size")}, "train": str(train_dir), "target": str(target_dir)}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _truncate(batch: dict[str, torch.Tensor], max_len: int) -> dict[str, torch.Tensor]:
+    return {k: v[:, :max_len] for k, v in batch.items()}
+
+
+def _save_checkpoint(path: Path, model, opt, sched, progress: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "progress": progress}, tmp)
+    os.replace(tmp, path)   # a kill mid-save keeps the previous checkpoint
+
+
+def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, target_dir: str,
+                  out_dir: str) -> dict:
+    from accelerate import Accelerator
+
+    v = variant_config(cfg, name)
+    tc, dcfg = v["train"], cfg["drafters"]
+    steps_k, decay = dcfg["ttt_steps"], dcfg["step_decay"]
+    accel = Accelerator(cpu=rt.device == "cpu")
+    world, rank = accel.num_processes, accel.process_index
+    torch.manual_seed(rt.seed)
+    random.seed(rt.seed)
+
+    train_src, eval_src = open_features(train_dir, rt), open_features(eval_dir, rt)
+    target = load_target(target_dir, rt)
+    head_w = target.lm_head.weight.detach()
+    d2t = draft_vocab(train_src, dcfg["draft_vocab_size"], target.config.vocab_size)
+    model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), d2t).to(rt.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"], betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_at(s, tc["max_steps"], tc["warmup_steps"], tc["min_lr_ratio"]))
+    groups = param_groups(model)
+
+    ckpt = Path(f"{out_dir}.ckpt") / "checkpoint.pt"
+    fp = _fingerprint(v, cfg, train_dir, target_dir)
+    progress = {"step": 0, "epoch": 0, "cursor": 0, "log": [], "fingerprint": fp, "resumed_from": None,
+                "world_size": world}
+    if ckpt.exists():
+        saved = torch.load(ckpt, weights_only=False)
+        if saved["progress"]["fingerprint"] == fp:
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
+            sched.load_state_dict(saved["scheduler"])
+            torch.set_rng_state(saved["torch_rng"])
+            random.setstate(saved["python_rng"])
+            progress = saved["progress"]
+            progress["resumed_from"] = progress["step"]
+            print(f"resuming {name} from step {progress['step']} ({ckpt})", flush=True)
+        else:
+            print(f"ignoring {ckpt}: it was written for another config", flush=True)
+    ddp = model if world == 1 else torch.nn.parallel.DistributedDataParallel(model)
+
+    n, bs = len(train_src), tc["batch_size"]
+    if bs % world:
+        raise ConfigError(f"config: drafters.train.batch_size: {bs} is not divisible by {world} processes")
+    start, tokens_seen = time.time(), 0
+    bar = tqdm(total=tc["max_steps"], initial=progress["step"], desc=f"train {name}", mininterval=5,
+               disable=rank != 0)
+    model.train()
+    while progress["step"] < tc["max_steps"]:
+        step = progress["step"]
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(rt.seed * 1_000_003 + progress["epoch"]))
+        if progress["cursor"] + bs > n:
+            progress["epoch"], progress["cursor"] = progress["epoch"] + 1, 0
+            continue
+        ids = order[progress["cursor"]: progress["cursor"] + bs].tolist()[rank::world]
+        batch = {k: t.to(rt.device) for k, t in _truncate(train_src.batch(ids), tc["max_len"]).items()}
+        labels = target_labels(batch["last_hidden"], head_w, model.d2t)
+        from .ttt import scored_tokens
+
+        local = torch.tensor([float(scored_tokens(batch, labels, model.t2d, k)[1].sum()) for k in range(steps_k)])
+        denominators = (accel.reduce(local.to(accel.device), "sum").cpu().clamp(min=1) / world).tolist()
+        un: Unrolled = ddp(batch, steps_k)
+        losses, counts, correct, acc_n = step_losses(model, un, batch, labels, denominators)
+        loss = weighted_loss(losses, decay)
+        bad = accel.reduce(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=accel.device), "sum")
+        if float(bad) > 0:
+            raise FloatingPointError(f"train {name}: loss is {loss.item()} at step {step}; "
+                                     f"last good checkpoint kept at {ckpt}")
+        loss.backward()
+        norms = grad_norms(groups)
+        torch.nn.utils.clip_grad_norm_(params, tc["grad_clip"])
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        progress["cursor"] += bs
+        progress["step"] = step + 1
+        tokens_seen += int(batch["attention_mask"].sum())
+        if step % tc["log_every"] == 0 or step + 1 == tc["max_steps"]:
+            rec = {"step": step, "lr": sched.get_last_lr()[0], "loss": float(loss) / world,
+                   "loss_k": [float(l) / world for l in losses],
+                   "acc_k": [int(c) / max(int(a), 1) for c, a in zip(correct, acc_n)],
+                   "grad_norm": norms, "kv_key_share": kv_key_share(un.valid) if model.kv_attentions() else None}
+            if hasattr(model, "gate"):
+                g = model.gate().detach()
+                rec["gate"] = {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max())}
+            progress["log"].append(rec)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc_k'][0]:.2f}")
+        bar.update(1)
+        if progress["step"] % tc["ckpt_every"] == 0 and progress["step"] < tc["max_steps"]:
+            if rank == 0:
+                _save_checkpoint(ckpt, model, opt, sched, progress)
+            accel.wait_for_everyone()
+        if time.time() - start > 60 * tc["max_minutes"]:
+            progress["stopped_by"] = "max_minutes"
+            break
+    bar.close()
+    seconds = time.time() - start
+    metrics = {"variant": name, "paradigm": v["paradigm"], "layers": v["layers"], "steps": progress["step"],
+               "resumed_from": progress["resumed_from"], "world_size": world, "train_seconds": seconds,
+               "train_tokens_per_s": tokens_seen * world / max(seconds, 1e-9),
+               "parameters": sum(p.numel() for p in params), "draft_vocab_size": len(d2t)}
+    if rank == 0:
+        metrics["eval"] = evaluate(model, eval_src, head_w, steps_k, tc["batch_size"], tc["eval_batches"],
+                                   target if model.kv_attentions() else None)
+        model.save(out_dir, {"metrics.json": metrics, "train_log.json": progress["log"], "variant.json": v})
+    accel.wait_for_everyone()
+    return metrics

@@ -1,0 +1,157 @@
+"""Drafter paradigms under the one TTT unroll: no future leakage, the batched unroll equals
+step-by-step drafting, and gradient reaches every branch."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kvshot.features import open_features
+from kvshot.target import load_target
+from kvshot.train import build_variant, draft_vocab, param_groups, variant_config
+from kvshot.ttt import context, shift, step_losses, target_labels, unroll, weighted_loss
+
+K = 4
+VARIANTS = {
+    "hidden": {"name": "h", "paradigm": "hidden", "layers": 2},
+    "kv": {"name": "k", "paradigm": "kv", "layers": 2},
+    "hybrid": {"name": "y", "paradigm": "hybrid", "layers": 2, "gate_shape": "channel", "gate_init": 0.3},
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny, tiny_features):
+    src = open_features(tiny_features["train"])
+    target = load_target(tiny["model"], tiny["rt"])
+    d2t = draft_vocab(src, 150, target.config.vocab_size)
+    return src, target, d2t
+
+
+def make(setup, paradigm: str, seed: int = 0):
+    src, target, d2t = setup
+    torch.manual_seed(seed)
+    model = build_variant(VARIANTS[paradigm], target.config, target.model.embed_tokens.weight.detach(), d2t)
+    with torch.no_grad():  # break the symmetry of fresh norms/gates so every path matters
+        for name, p in model.named_parameters():
+            if p.requires_grad and p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def one_sample_batch(src, i=0):
+    return src.batch([i])
+
+
+@pytest.mark.parametrize("paradigm", list(VARIANTS))
+def test_no_future_leakage(setup, paradigm):
+    """The step-k prediction at anchor t may see target context <= t and tokens <= t+k+1 only."""
+    src = setup[0]
+    model = make(setup, paradigm)
+    batch = one_sample_batch(src, 1)
+    base = unroll(model, batch, K).logits
+    length = batch["input_ids"].shape[1]
+    for t in (2, length // 2):
+        for k in range(K):
+            seen_tok = t + k + 1
+            b2 = copy.deepcopy(batch)
+            b2["input_ids"][:, seen_tok + 1:] = (b2["input_ids"][:, seen_tok + 1:] + 7) % 100
+            for key, v in b2.items():
+                if key.startswith(("aux_hidden", "key_", "value_", "last_hidden")):
+                    v[:, t + 1:] = torch.randn_like(v[:, t + 1:])
+            after = unroll(model, b2, K).logits
+            torch.testing.assert_close(after[k][:, t], base[k][:, t], atol=1e-5, rtol=1e-5)
+        # and the prediction does depend on what it may see (the test can fail)
+        b3 = copy.deepcopy(batch)
+        b3["input_ids"][:, t + 1] = (b3["input_ids"][:, t + 1] + 7) % 100
+        assert not torch.allclose(unroll(model, b3, K).logits[0][:, t], base[0][:, t])
+
+
+def simulate_drafting(model, sample, t: int, split: int, steps: int) -> list[torch.Tensor]:
+    """Draft from anchor t the way a decoder does: the target's context up to t arrives in two
+    rounds (anchors < split, then split..t); step 0 runs over the new anchors, then only the
+    last anchor drafts on."""
+    ids = sample["input_ids"].long()
+    ctx_all = {k: v for k, v in sample.items() if k == "aux_hidden" or k.startswith(("key_", "value_"))}
+
+    def ctx_upto(lo, hi):
+        c = {k: (v[:, lo:hi + 1] if k == "aux_hidden" else v[:, : hi + 1]) for k, v in ctx_all.items()}
+        return c
+
+    state = None
+    for lo, hi in ((0, split - 1), (split, t)):
+        anchors = torch.arange(lo, hi + 1).unsqueeze(0)
+        state = model.begin(ctx_upto(lo, hi), anchors, previous=state)
+        h = model.step(state, ids[:, lo + 1: hi + 2], anchors + 1, 0)
+    out = [model.logits(h[:, -1:])]
+    state.select_rows(slice(-1, None))
+    for k in range(1, steps):
+        h = model.step(state, ids[:, t + k + 1: t + k + 2], torch.tensor([[t + k + 1]]), k)
+        out.append(model.logits(h))
+    return out
+
+
+@pytest.mark.parametrize("paradigm", list(VARIANTS))
+def test_batched_unroll_equals_step_by_step_drafting(setup, paradigm):
+    src = setup[0]
+    model = make(setup, paradigm)
+    batch = one_sample_batch(src, 2)
+    un = unroll(model, batch, K)
+    length = batch["input_ids"].shape[1]
+    for t in (3, length // 2, length - K - 2):
+        sim = simulate_drafting(model, batch, t, split=2, steps=K)
+        for k in range(K):
+            torch.testing.assert_close(sim[k][0, 0], un.logits[k][0, t], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("paradigm", list(VARIANTS))
+def test_gradient_reaches_every_branch(setup, paradigm):
+    src, target, _ = setup
+    model = make(setup, paradigm).train()
+    batch = src.batch([0, 1, 2])
+    labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t)
+    losses, *_ = step_losses(model, unroll(model, batch, K), batch, labels)
+    weighted_loss(losses, 0.8).backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, f"{paradigm}: no gradient reaches {name}"
+    assert not model.embed_tokens.weight.requires_grad  # the target's embedding stays frozen
+    groups = param_groups(model)
+    if paradigm != "hidden":
+        assert {"kv_wk_wv", "kv_query_out"} <= set(groups)
+    if paradigm == "hybrid":
+        assert "gate" in groups and model.gate().shape == (2, model.cfg.hidden_size)
+        torch.testing.assert_close(model.gate(), torch.full_like(model.gate(), 0.3), atol=0.35, rtol=0)
+
+
+def test_draft_vocab_is_most_frequent_assistant_tokens(setup):
+    src, target, d2t = setup
+    counts = torch.zeros(target.config.vocab_size, dtype=torch.long)
+    for i in range(len(src)):
+        s = src.tokens(i)
+        counts += torch.bincount(s["input_ids"][s["loss_mask"].bool()].long(), minlength=len(counts))
+    assert len(d2t) == 150 and torch.equal(d2t, d2t.sort().values)
+    assert counts[d2t].min() >= counts[~torch.isin(torch.arange(len(counts)), d2t)].max()
+
+
+def test_labels_are_the_target_distribution(setup, tiny):
+    src, target, d2t = setup
+    batch = src.batch([0])
+    labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), d2t, chunk=7)
+    logits = target(input_ids=batch["input_ids"].long()).logits
+    torch.testing.assert_close(labels.probs, torch.softmax(logits[..., d2t], -1), atol=1e-5, rtol=1e-4)
+    assert torch.equal(labels.argmax, logits.argmax(-1))
+    # step k's label for anchor t is the target's view at position t+k+1
+    assert torch.equal(shift(labels.argmax, 3)[0, :-3], labels.argmax[0, 3:])
+
+
+def test_context_excludes_labels(setup):
+    batch = setup[0].batch([0])
+    assert "last_hidden" not in context(batch) and "input_ids" not in context(batch)
+
+
+def test_variant_config_merges_train_overrides(tiny):
+    cfg = copy.deepcopy(tiny["cfg"])
+    cfg["drafters"]["variants"][0]["train"] = {"max_steps": 9}
+    v = variant_config(cfg, cfg["drafters"]["variants"][0]["name"])
+    assert v["train"]["max_steps"] == 9 and v["train"]["lr"] == cfg["drafters"]["train"]["lr"]
