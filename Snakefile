@@ -12,6 +12,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/target.smk"
 include: "workflow/rules/features.smk"
+include: "workflow/rules/train.smk"
 
 
 rule all:
@@ -19,4 +20,5 @@ rule all:
         "results/data/stats.json",
         "results/target/metrics.json",
         expand("results/features/{split}", split=SPLITS),
+        expand("results/drafters/{variant}", variant=VARIANTS),
     default_target: True

@@ -36,11 +36,19 @@ def _cmd_capture_features(args, cfg) -> dict:
     return capture_split(cfg, runtime(cfg), args.split, args.target, args.out)
 
 
+def _cmd_train_drafter(args, cfg) -> dict:
+    from .train import train_variant
+
+    m = train_variant(cfg, runtime(cfg), args.variant, args.train_features, args.eval_features, args.target, args.out)
+    return {k: m.get(k) for k in ("variant", "steps", "train_seconds", "eval")}
+
+
 STAGES = {
     "prepare-data": (_cmd_prepare_data, ("data",)),
     "train-tokenizer": (_cmd_train_tokenizer, ("tokenizer",)),
     "target": (_cmd_target, ("data", "target")),
     "capture-features": (_cmd_capture_features, ("data", "target", "features")),
+    "train-drafter": (_cmd_train_drafter, ("drafters",)),
 }
 
 
@@ -62,6 +70,10 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument(f"--{name}", required=True)
     s = sub.add_parser("capture-features", parents=[common])
     for name in ("split", "target", "out"):
+        s.add_argument(f"--{name}", required=True)
+    s = sub.add_parser("train-drafter", parents=[common])
+    s.add_argument("--variant", required=True)
+    for name in ("train-features", "eval-features", "target", "out"):
         s.add_argument(f"--{name}", required=True)
     return p
 

@@ -130,7 +130,8 @@ def capture_split(cfg: dict, rt: Runtime, split_jsonl: str, target_dir: str, out
 
     tokenizer = load_tokenizer(target_dir)
     spec = feature_spec(fcfg, model.config.num_hidden_layers)
-    samples = tokenize_split(split_jsonl, tokenizer, cfg["data"]["max_len"])
+    max_len = fcfg.get("max_len") or cfg["data"]["max_len"]
+    samples = tokenize_split(split_jsonl, tokenizer, max_len)[: fcfg.get("max_samples") or None]
     lengths = [s["input_ids"].shape[0] for s in samples]
     offline = fcfg["mode"] == "offline"
     start = time.time()

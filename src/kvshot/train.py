@@ -22,6 +22,13 @@ from .target import load_target, lr_at, rope_theta, target_queries
 from .ttt import Unrolled, shift, step_losses, target_labels, unroll, weighted_loss, query_cosine
 
 
+def launcher_args(num_processes: int) -> list[str]:
+    """`accelerate launch` flags for DDP: torchrun-style processes; each process's
+    Accelerator(cpu=True) then joins a gloo group on CPU (`--cpu` would run only one)."""
+    return ["--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
 def variant_config(cfg: dict, name: str) -> dict:
     """A variant's settings: the drafter defaults, its own entry, and its train overrides."""
     dcfg = cfg["drafters"]

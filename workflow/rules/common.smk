@@ -9,6 +9,7 @@ sys.path.insert(0, SRC)
 from kvshot.config import ConfigError, stage_config, validate_config  # noqa: E402
 
 SPLITS = ["train", "eval"]
+VARIANTS = [v["name"] for v in config["drafters"]["variants"]]
 CPU_ENV = "../../envs/cpu.yaml"
 
 
@@ -40,3 +41,13 @@ def log_path(rule_name, suffix=""):
 
 def bench_path(rule_name, suffix=""):
     return f"results/benchmarks/rules/{rule_name}{suffix}.tsv"
+
+
+def train_launcher():
+    """One process, or DDP over `drafters.train.num_processes` through accelerate."""
+    from kvshot.train import launcher_args
+
+    n = config["drafters"]["train"]["num_processes"]
+    if n == 1:
+        return "python -m kvshot"
+    return " ".join(["accelerate launch", *launcher_args(n), "-m kvshot"])

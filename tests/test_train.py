@@ -1,0 +1,129 @@
+"""The TTT trainer: resume after a kill is bit-identical, NaN stops cleanly, and 2-process
+DDP (accelerate, gloo on CPU) matches one process at the same global batch."""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import kvshot.train as train_mod
+from kvshot.train import launcher_args, train_variant
+
+from .conftest import REPO
+
+
+def small_cfg(tiny, **train) -> dict:
+    cfg = copy.deepcopy(tiny["cfg"])
+    cfg["drafters"]["variants"] = [{"name": "hyb", "paradigm": "hybrid", "layers": 1},
+                                   {"name": "kv2", "paradigm": "kv", "layers": 2}]
+    cfg["drafters"]["train"].update({"max_steps": 6, "ckpt_every": 2, "batch_size": 2, "max_len": 48,
+                                     "eval_batches": 1, **train})
+    return cfg
+
+
+def run(tiny, feats, cfg, out, name="hyb"):
+    return train_variant(cfg, tiny["rt"], name, str(feats["train"]), str(feats["eval"]), str(tiny["model"]), str(out))
+
+
+def weights(folder):
+    return load_file(str(folder / "model.safetensors"))
+
+
+class Killed(BaseException):
+    """Stands in for SIGKILL: nothing after it runs, no cleanup beyond what the OS gives."""
+
+
+@pytest.mark.parametrize("name", ["hyb", "kv2"])
+def test_kill_and_resume_is_bit_identical(tiny, tiny_features, tmp_path, monkeypatch, name):
+    cfg = small_cfg(tiny)
+    run(tiny, tiny_features, cfg, tmp_path / "whole", name)
+
+    calls = {"n": 0}
+    real = train_mod.step_losses
+
+    def dying(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 4:          # step 3: the checkpoint of step 2 exists, step 3 is lost
+            raise Killed
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train_mod, "step_losses", dying)
+    with pytest.raises(Killed):
+        run(tiny, tiny_features, cfg, tmp_path / "resumed", name)
+    assert not (tmp_path / "resumed").exists()
+    saved = torch.load(tmp_path / "resumed.ckpt/checkpoint.pt", weights_only=False)
+    assert saved["progress"]["step"] == 2
+    monkeypatch.setattr(train_mod, "step_losses", real)
+    metrics = run(tiny, tiny_features, cfg, tmp_path / "resumed", name)
+    assert metrics["resumed_from"] == 2
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    log_a = json.loads((tmp_path / "whole/train_log.json").read_text())
+    log_b = json.loads((tmp_path / "resumed/train_log.json").read_text())
+    assert [r["loss"] for r in log_a] == [r["loss"] for r in log_b]
+
+
+def test_changed_config_does_not_resume(tiny, tiny_features, tmp_path, capsys):
+    cfg = small_cfg(tiny, max_steps=2)
+    run(tiny, tiny_features, cfg, tmp_path / "out")
+    (tmp_path / "out.ckpt").mkdir(exist_ok=True)
+    cfg2 = small_cfg(tiny, max_steps=4, lr=5e-4)
+    torch.save({"progress": {"fingerprint": "other"}}, tmp_path / "out.ckpt/checkpoint.pt")
+    m = run(tiny, tiny_features, cfg2, tmp_path / "out")
+    assert m["resumed_from"] is None and "another config" in capsys.readouterr().out
+
+
+def test_nan_loss_names_the_step_and_keeps_the_checkpoint(tiny, tiny_features, tmp_path, monkeypatch):
+    cfg = small_cfg(tiny)
+    real = train_mod.weighted_loss
+    calls = {"n": 0}
+
+    def poisoned(losses, decay):
+        calls["n"] += 1
+        loss = real(losses, decay)
+        return loss * float("nan") if calls["n"] == 4 else loss
+
+    monkeypatch.setattr(train_mod, "weighted_loss", poisoned)
+    with pytest.raises(FloatingPointError, match="at step 3"):
+        run(tiny, tiny_features, cfg, tmp_path / "out")
+    saved = torch.load(tmp_path / "out.ckpt/checkpoint.pt", weights_only=False)
+    assert saved["progress"]["step"] == 2
+    assert all(torch.isfinite(v).all() for v in saved["model"].values() if v.is_floating_point())
+    assert not (tmp_path / "out").exists()
+
+
+def test_training_lowers_the_loss_and_logs_diagnostics(tiny, tiny_features, tmp_path):
+    cfg = small_cfg(tiny, max_steps=12, ckpt_every=100, lr=3e-3, log_every=1)
+    run(tiny, tiny_features, cfg, tmp_path / "out")
+    log = json.loads((tmp_path / "out/train_log.json").read_text())
+    assert len(log) == 12 and len(log[0]["acc_k"]) == cfg["drafters"]["ttt_steps"]
+    first, last = sum(r["loss"] for r in log[:3]), sum(r["loss"] for r in log[-3:])
+    assert last < first
+    rec = log[-1]
+    assert {"kv_wk_wv", "kv_query_out", "gate", "fusion", "lm_head", "body"} <= set(rec["grad_norm"])
+    assert 0 < rec["kv_key_share"] < 1 and 0 < rec["gate"]["min"] <= rec["gate"]["max"] < 1
+    metrics = json.loads((tmp_path / "out/metrics.json").read_text())
+    assert len(metrics["eval"]["query_cosine"]) == cfg["drafters"]["ttt_steps"]
+
+
+def test_two_process_ddp_matches_one_process(tiny, tiny_features, tmp_path):
+    cfg = small_cfg(tiny, max_steps=3, batch_size=4, ckpt_every=100)
+    run(tiny, tiny_features, cfg, tmp_path / "one", "kv2")
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args(2), "-m", "kvshot", "train-drafter", "--config", str(cfg_file), "--threads", "1",
+           "--variant", "kv2", "--train-features", str(tiny_features["train"]),
+           "--eval-features", str(tiny_features["eval"]), "--target", str(tiny["model"]), "--out", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "two/metrics.json").read_text())
+    assert metrics["world_size"] == 2
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
