@@ -13,6 +13,7 @@ include: "workflow/rules/data.smk"
 include: "workflow/rules/target.smk"
 include: "workflow/rules/features.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/eval.smk"
 
 
 rule all:
@@ -21,4 +22,5 @@ rule all:
         "results/target/metrics.json",
         expand("results/features/{split}", split=SPLITS),
         expand("results/drafters/{variant}", variant=VARIANTS),
+        expand("results/eval/{variant}/stepwise.json", variant=VARIANTS),
     default_target: True

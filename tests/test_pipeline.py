@@ -50,14 +50,25 @@ def test_smoke_dag_end_to_end(tmp_path):
         index = json.loads((wd / f"results/features/{split}/index.json").read_text())
         assert index["mode"] == "offline" and index["num_samples"] == n
         assert index["bytes_per_token"] == sum(index["bytes_per_token_by_tensor"].values())
-    for rule in ("prepare_data", "train_tokenizer", "target", "capture_features_train", "capture_features_eval"):
+    variants = ("eagle3", "kv-d1", "kv-d2", "kv-d4", "hybrid")
+    for name in variants:
+        folder = wd / f"results/drafters/{name}"
+        metrics = json.loads((folder / "metrics.json").read_text())
+        log = json.loads((folder / "train_log.json").read_text())
+        assert metrics["steps"] == 4 and len(metrics["eval"]["acc"]) == 7
+        assert all(len(r["acc_k"]) == 7 and len(r["loss_k"]) == 7 for r in log)
+        assert (folder / "model.safetensors").exists() and (wd / f"results/drafters/{name}.ckpt").exists()
+    rules = ["prepare_data", "train_tokenizer", "target", "capture_features_train", "capture_features_eval"]
+    for rule in rules + [f"train_drafter_{name}" for name in variants]:
         assert (wd / f"logs/{rule}.log").exists()
         assert (wd / f"results/benchmarks/rules/{rule}.tsv").exists()
     # everything is up to date afterwards; a config change reruns only what depends on it
     assert "Nothing to be done" in (snakemake(wd, "-n", "--configfile", "config/smoke.yaml").stdout)
     (wd / "more.yaml").write_text("features:\n  kv_layers: [3]\n")
     jobs = dry_run_jobs(wd, "config/smoke.yaml", "more.yaml")
-    assert jobs == {"capture_features": 2, "all": 1}
+    assert jobs == {"capture_features": 2, "train_drafter": 5, "all": 1}
+    (wd / "more.yaml").write_text("drafters:\n  train:\n    lr: 0.002\n")
+    assert dry_run_jobs(wd, "config/smoke.yaml", "more.yaml") == {"train_drafter": 5, "all": 1}
 
 
 def test_paper_dag_dry_runs_with_the_default_rule_graph(tmp_path):
@@ -66,7 +77,8 @@ def test_paper_dag_dry_runs_with_the_default_rule_graph(tmp_path):
     paper = dry_run_jobs(wd, "config/paper.yaml")
     smoke = dry_run_jobs(wd, "config/smoke.yaml")
     assert default == paper == smoke
-    assert set(default) == {"prepare_data", "train_tokenizer", "target", "capture_features", "all"}
+    assert default == {"prepare_data": 1, "train_tokenizer": 1, "target": 1, "capture_features": 2,
+                       "train_drafter": 5, "all": 1}
 
 
 def test_lint_is_clean(tmp_path):

@@ -43,12 +43,27 @@ def _cmd_train_drafter(args, cfg) -> dict:
     return {k: m.get(k) for k in ("variant", "steps", "train_seconds", "eval")}
 
 
+def _cmd_target_continuations(args, cfg) -> dict:
+    from .stepwise import run_continuations_stage
+
+    return run_continuations_stage(cfg, runtime(cfg), args.eval, args.target, args.out)
+
+
+def _cmd_eval_stepwise(args, cfg) -> dict:
+    from .stepwise import run_stepwise_stage
+
+    return run_stepwise_stage(cfg, runtime(cfg), args.drafter, args.target, args.continuations,
+                              args.features_index, args.out)
+
+
 STAGES = {
     "prepare-data": (_cmd_prepare_data, ("data",)),
     "train-tokenizer": (_cmd_train_tokenizer, ("tokenizer",)),
     "target": (_cmd_target, ("data", "target")),
     "capture-features": (_cmd_capture_features, ("data", "target", "features")),
     "train-drafter": (_cmd_train_drafter, ("drafters",)),
+    "target-continuations": (_cmd_target_continuations, ("target", "eval")),
+    "eval-stepwise": (_cmd_eval_stepwise, ("target", "drafters", "eval")),
 }
 
 
@@ -74,6 +89,12 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("train-drafter", parents=[common])
     s.add_argument("--variant", required=True)
     for name in ("train-features", "eval-features", "target", "out"):
+        s.add_argument(f"--{name}", required=True)
+    s = sub.add_parser("target-continuations", parents=[common])
+    for name in ("eval", "target", "out"):
+        s.add_argument(f"--{name}", required=True)
+    s = sub.add_parser("eval-stepwise", parents=[common])
+    for name in ("drafter", "target", "continuations", "features-index", "out"):
         s.add_argument(f"--{name}", required=True)
     return p
 

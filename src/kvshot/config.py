@@ -16,7 +16,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-SECTIONS = ("data", "tokenizer", "target", "features", "drafters")
+SECTIONS = ("data", "tokenizer", "target", "features", "drafters", "eval")
 GLOBALS = ("seed", "device", "dtype", "threads")
 
 

@@ -235,10 +235,10 @@ class OfflineFeatures(_Tokens):
 class OnlineFeatures(_Tokens):
     """Runs the target on each batch instead of reading cached activations."""
 
-    def __init__(self, folder: str | Path, rt: Runtime, attn: str = "auto"):
+    def __init__(self, folder: str | Path, rt: Runtime, attn: str = "auto", model=None):
         super().__init__(folder)
         self.rt = rt
-        self.model = load_target(self.index["target"], rt, attn)
+        self.model = model if model is not None else load_target(self.index["target"], rt, attn)
 
     def sample(self, i: int) -> dict[str, Tensor]:
         return {k: v[0] for k, v in self.batch([i]).items() if k != "attention_mask"}
@@ -253,10 +253,11 @@ class OnlineFeatures(_Tokens):
         return padded
 
 
-def open_features(folder: str | Path, rt: Runtime | None = None, attn: str = "auto") -> FeatureSource:
+def open_features(folder: str | Path, rt: Runtime | None = None, attn: str = "auto", model=None) -> FeatureSource:
+    """Offline or online, as the capture stage recorded; `model` shares an already loaded target."""
     src = _Tokens(folder)
     if src.index["mode"] == "offline":
         return OfflineFeatures(folder)
     if rt is None:
         raise ValueError(f"{folder}: online features need a Runtime to run the target")
-    return OnlineFeatures(folder, rt, attn)
+    return OnlineFeatures(folder, rt, attn, model)

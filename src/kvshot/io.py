@@ -10,13 +10,25 @@ from pathlib import Path
 from typing import Iterator
 
 
+def _finite(obj):
+    """NaN/inf are not JSON: an undefined metric (e.g. alpha of a step no round reached) is null."""
+    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def write_json(path: str | Path, obj) -> None:
+    obj = _finite(obj)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=2, sort_keys=False)
+            json.dump(obj, fh, indent=2, allow_nan=False)
             fh.write("\n")
         os.chmod(tmp, 0o644)  # mkstemp makes 0600 files
         os.replace(tmp, path)

@@ -187,8 +187,8 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     torch.manual_seed(rt.seed)
     random.seed(rt.seed)
 
-    train_src, eval_src = open_features(train_dir, rt), open_features(eval_dir, rt)
     target = load_target(target_dir, rt)
+    train_src, eval_src = open_features(train_dir, rt, model=target), open_features(eval_dir, rt, model=target)
     head_w = target.lm_head.weight.detach()
     d2t = draft_vocab(train_src, dcfg["draft_vocab_size"], target.config.vocab_size)
     model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), d2t).to(rt.device)

@@ -33,7 +33,7 @@ class TargetLabels:
 
 
 @torch.no_grad()
-def target_labels(last_hidden: Tensor, lm_head_weight: Tensor, d2t: Tensor, chunk: int = 4096) -> TargetLabels:
+def target_labels(last_hidden: Tensor, lm_head_weight: Tensor, d2t: Tensor, chunk: int = 1024) -> TargetLabels:
     """Full-vocab argmax (for acc and the in-draft-vocab mask) and draft-vocab soft labels,
     chunked over positions so a 152k vocabulary never materializes for the whole batch."""
     b, t, h = last_hidden.shape
@@ -61,7 +61,10 @@ def context(batch: dict[str, Tensor]) -> dict[str, Tensor]:
     return ctx
 
 
-def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries: bool = False) -> Unrolled:
+def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries: bool = False,
+           own_tokens: bool = False) -> Unrolled:
+    """K steps for every anchor at once. Inputs are the sequence's tokens (training, as EAGLE-3)
+    or, with own_tokens, the drafter's own greedy drafts from step 1 on (chain simulation)."""
     ids = batch["input_ids"].long()
     b, t = ids.shape
     anchors = torch.arange(t, device=ids.device).expand(b, -1)
@@ -69,7 +72,8 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
     loss_mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
     out = Unrolled([], [], [])
     for k in range(steps):
-        h = drafter.step(state, shift(ids, k + 1), anchors + k + 1, k)
+        tokens = drafter.d2t[out.logits[-1].argmax(-1)] if own_tokens and k > 0 else shift(ids, k + 1)
+        h = drafter.step(state, tokens, anchors + k + 1, k)
         out.logits.append(drafter.logits(h))
         out.valid.append(shift(loss_mask, k + 2, False))
         if keep_queries:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from ..io import atomic_dir
+from ..io import atomic_dir, write_json
 
 
 @dataclass
@@ -241,7 +241,7 @@ class Drafter(nn.Module):
             save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
                       str(tmp / "model.safetensors"))
             for name, obj in (extra_files or {}).items():
-                (tmp / name).write_text(json.dumps(obj, indent=2))
+                write_json(tmp / name, obj)
 
 
 def load_drafter(folder: str | Path, device: str = "cpu") -> Drafter:

@@ -1,0 +1,345 @@
+"""End-to-end speculative decoding with a kvshot drafter (batch size 1), and a plain
+decoding baseline timed by the same harness.
+
+One round, after the target has computed (and accepted) positions <= n_past - 1 and the
+last token x[n_past] (its bonus) is known but not yet in its cache:
+
+  draft   the drafter ingests the newly accepted anchors (step 0 over all of them; the
+          hidden-state paradigms extend their own prefix cache), then only the last anchor
+          drafts on: a chain of K tokens, or an EAGLE-2 style tree (top-k expansion of the
+          best nodes per depth, then the best `total_tokens` nodes overall);
+  verify  one target forward over [x[n_past]] + draft nodes with a tree attention mask
+          (cache + ancestors), positions n_past + depth; greedy (output identical to
+          `target.generate(do_sample=False)`) or speculative sampling (chain only);
+  keep    the target's cache keeps the accepted path (gathered into place, then cropped),
+          whose positions become the next round's anchors.
+
+tau = tokens emitted by verification rounds / rounds: accepted drafts plus the bonus token
+per round, the quantity EAGLE counts as accept_length + 1. The first token comes from the
+prefill, which verifies nothing, so tau = (len(tokens) - 1) / rounds.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import DynamicCache
+
+from .drafters import Drafter
+from .drafters.skeleton import StepState
+
+
+@dataclass
+class DraftSpec:
+    """depth: draft steps K; topk: children per expanded node and nodes expanded per depth
+    (1: a chain); total_tokens: draft nodes sent to the target (None: every drafted node)."""
+
+    depth: int = 7
+    topk: int = 1
+    total_tokens: int | None = None
+
+    @property
+    def chain(self) -> bool:
+        return self.topk == 1
+
+
+@dataclass
+class Draft:
+    """Draft nodes in an order where parents come first."""
+
+    tokens: list[int]        # target ids
+    parents: list[int]       # index into the nodes, -1: the root (the last known token)
+    depths: list[int]        # 1..K
+    q: Tensor | None = None  # sampling: [N, draft vocab] the drafter's distribution for each node
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]                      # generated tokens (prompt excluded), eos included
+    rounds: int                            # verification forwards (plain decoding: decode forwards)
+    accepted: list[int] = field(default_factory=list)   # per round: draft tokens the target accepted
+    emitted: list[int] = field(default_factory=list)    # per round: tokens added (accepted + bonus, clipped)
+    drafted: list[int] = field(default_factory=list)    # per round: draft nodes verified
+    stopped_by: str = "max_new_tokens"     # eos | max_new_tokens
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return sum(self.emitted) / self.rounds if self.rounds else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.total_s if self.total_s > 0 else float("nan")
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "tau": self.tau, "tokens_per_s": self.tokens_per_s}
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":   # kernels are asynchronous: time what ran, not what was queued
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _pick(logits: Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """The next token from one row of target logits: argmax, or a sample at `temperature`."""
+    if temperature <= 0:
+        return int(logits.argmax(-1))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _remove_after(cache: DynamicCache, length: int) -> None:
+    """Crop the cache to `length` tokens. A negative count works for transformers 4.x
+    (crop(max_length), negative: remove) and 5.x (crop(-tokens_to_remove))."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def keep_path(cache: DynamicCache, n_past: int, path: list[int]) -> None:
+    """Keep the cache entries of the accepted tree rows `path` (ascending, root first)
+    right after the prefix, then drop the rest of the tree."""
+    if path != list(range(len(path))):   # a chain's path is a prefix: cropping suffices
+        src = torch.tensor(path, device=cache.layers[0].keys.device) + n_past
+        for layer in cache.layers:
+            layer.keys[:, :, n_past: n_past + len(path)] = layer.keys[:, :, src]
+            layer.values[:, :, n_past: n_past + len(path)] = layer.values[:, :, src]
+    _remove_after(cache, n_past + len(path))
+
+
+def drafter_context(cache: DynamicCache, hidden_states: Sequence[Tensor] | None, rows: Tensor,
+                    aux_layers: Sequence[int] | None, kv_layers: Sequence[int], dtype: torch.dtype) -> dict[str, Tensor]:
+    """What a drafter reads of the target: aux hidden states at the new anchor rows and the
+    target's own cache for the whole prefix (a view, transposed to [B, T, H_kv, D])."""
+    ctx: dict[str, Tensor] = {}
+    if aux_layers:
+        ctx["aux_hidden"] = torch.stack([hidden_states[i][:, rows] for i in aux_layers], dim=2).to(dtype)
+    for l in kv_layers:
+        ctx[f"key_{l}"] = cache.layers[l].keys.transpose(1, 2).to(dtype)
+        ctx[f"value_{l}"] = cache.layers[l].values.transpose(1, 2).to(dtype)
+    return ctx
+
+
+@torch.no_grad()
+def draft(drafter: Drafter, state: StepState, step0_ids: Tensor, anchors: Tensor, spec: DraftSpec,
+          temperature: float = 0.0, generator: torch.Generator | None = None) -> Draft:
+    """Step 0 over the new anchors, then K-1 steps from the last one. Every drafting row is a
+    tree node; `select_rows` with a parent index gives each child its ancestors' diagonal keys
+    and its parent's hidden state. Greedy: EAGLE-2 tree (chain when topk == 1), nodes scored
+    by cumulative draft log-probability. Sampling: a chain of tokens sampled from q."""
+    sample = temperature > 0
+    if sample and not spec.chain:
+        raise ValueError("speculative sampling is implemented for chains only (DraftSpec.topk == 1)")
+    d2t, device = drafter.d2t, anchors.device
+    t = int(anchors[0, -1])
+    h = drafter.step(state, step0_ids, anchors + 1, 0)[:, -1:]
+    state.select_rows(slice(-1, None))
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    scores: list[float] = []
+    qs: list[Tensor] = []
+    row_node = torch.tensor([-1], device=device)   # the node each drafting row stands for
+    row_score = torch.zeros(1, device=device)
+    ids = step0_ids
+    for k in range(spec.depth):
+        if k > 0:   # the frontier's tokens, at position anchor + k + 1
+            h = drafter.step(state, ids, torch.full_like(ids, t + k + 1), k)
+        logits = drafter.logits(h)[0].float()                     # [rows, draft vocab]
+        if sample:
+            q = torch.softmax(logits / temperature, dim=-1)
+            cand_tok = torch.multinomial(q, 1, generator=generator).view(-1)
+            cand_row, cand_score = torch.zeros(1, dtype=torch.long, device=device), row_score
+            qs.append(q[0])
+        else:
+            top, idx = torch.log_softmax(logits, dim=-1).topk(spec.topk, dim=-1)
+            cand_tok, cand_score = idx.flatten(), (row_score[:, None] + top).flatten()
+            cand_row = torch.arange(len(logits), device=device).repeat_interleave(spec.topk)
+        first = len(tokens)
+        tokens += d2t[cand_tok].tolist()
+        parents += row_node[cand_row].tolist()
+        depths += [k + 1] * len(cand_tok)
+        scores += cand_score.tolist()
+        if k + 1 == spec.depth:
+            break
+        keep = cand_score.topk(min(spec.topk, len(cand_score))).indices   # the frontier drafts on
+        state.select_rows(cand_row[keep])
+        row_node, row_score, ids = first + keep, cand_score[keep], d2t[cand_tok[keep]][None]
+    out = Draft(tokens, parents, depths, torch.stack(qs) if sample else None)
+    return out if spec.total_tokens is None else _best_nodes(out, scores, spec.total_tokens)
+
+
+def _best_nodes(d: Draft, scores: list[float], n: int) -> Draft:
+    """The n best nodes by cumulative score (ties: the earlier node). A child's score never
+    exceeds its parent's and parents come earlier, so the set is closed under ancestors;
+    ancestors are still added explicitly in case of a NaN."""
+    chosen = set(sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:n])
+    for i in list(chosen):
+        while d.parents[i] >= 0 and d.parents[i] not in chosen:
+            i = d.parents[i]
+            chosen.add(i)
+    order = sorted(chosen)
+    new = {old: j for j, old in enumerate(order)}
+    return Draft([d.tokens[i] for i in order], [new.get(d.parents[i], -1) for i in order],
+                 [d.depths[i] for i in order], None if d.q is None else d.q[order])
+
+
+def tree_attention(parents: list[int], n_past: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Additive mask [1, 1, 1 + N, n_past + 1 + N]: every tree row sees the whole prefix and
+    its ancestors (and itself); row 0 is the root. Float, so eager and sdpa both take it."""
+    n = len(parents) + 1
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    anc[0, 0] = True
+    for i, p in enumerate(parents, start=1):      # parents come first: their rows are done
+        anc[i] = anc[p + 1]
+        anc[i, i] = True
+    visible = torch.cat([torch.ones(n, n_past, dtype=torch.bool), anc], dim=1).to(device)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+
+
+def verify_greedy(logits: Tensor, d: Draft) -> tuple[list[int], int]:
+    """Walk down from the root while a child holds the target's greedy token. Returns the
+    accepted tree rows (root first) and the target's token after the last of them."""
+    greedy = logits.argmax(-1).tolist()
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(d.parents, start=1):
+        children.setdefault(p + 1, []).append(i)
+    path = [0]
+    while True:
+        nxt = next((c for c in children.get(path[-1], []) if d.tokens[c - 1] == greedy[path[-1]]), None)
+        if nxt is None:
+            return path, greedy[path[-1]]
+        path.append(nxt)
+
+
+def verify_sampling(logits: Tensor, d: Draft, d2t: Tensor, temperature: float,
+                    generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Speculative sampling on a chain (Leviathan et al. 2023): accept x_i with probability
+    min(1, p_i(x) / q_i(x)); on the first rejection sample from norm(max(0, p_i - q_i));
+    if all are accepted, the bonus comes from p_N. q is zero outside the draft vocab."""
+    p = torch.softmax(logits.float() / temperature, dim=-1)
+    path = [0]
+    for i, x in enumerate(d.tokens):
+        q = torch.zeros_like(p[i]).index_add_(0, d2t, d.q[i].to(p.dtype))
+        u = torch.rand((), generator=generator, device=generator.device if generator else p.device)
+        if u < torch.clamp(p[i, x] / q[x], max=1.0):
+            path.append(i + 1)
+            continue
+        residual = torch.clamp(p[i] - q, min=0)
+        residual = residual if residual.sum() > 0 else p[i]   # p == q: a rejection has measure 0
+        return path, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return path, int(torch.multinomial(p[len(d.tokens)], 1, generator=generator))
+
+
+def _forward(target, ids: list[int], positions: Tensor, cache: DynamicCache, mask: Tensor | None,
+             hidden: bool, device: torch.device):
+    out = target.model(input_ids=torch.tensor([ids], device=device), position_ids=positions[None],
+                       attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=hidden)
+    return target.lm_head(out.last_hidden_state)[0], out.hidden_states
+
+
+def _append(tokens: list[int], new: list[int], max_new_tokens: int, eos_token_id: int | None) -> tuple[int, str | None]:
+    """Append up to the first eos (kept) or max_new_tokens; returns (added, why it stopped)."""
+    for n, tok in enumerate(new, start=1):
+        tokens.append(tok)
+        if eos_token_id is not None and tok == eos_token_id:
+            return n, "eos"
+        if len(tokens) >= max_new_tokens:
+            return n, "max_new_tokens"
+    return len(new), None
+
+
+@torch.no_grad()
+def speculative_generate(target, drafter: Drafter, input_ids: Tensor, max_new_tokens: int,
+                         eos_token_id: int | None = None, aux_layers: Sequence[int] | None = None,
+                         spec: DraftSpec | None = None, temperature: float = 0.0,
+                         generator: torch.Generator | None = None) -> DecodeResult:
+    """Speculative decoding, batch size 1. `aux_layers`: HF hidden_states indices the drafter
+    fuses (the features index's spec.aux_layers; None for a drafter that reads none);
+    the drafter reads the target KV of `drafter.cfg.kv_layers`. temperature 0: greedy."""
+    if input_ids.shape[0] != 1 or max_new_tokens < 1:
+        raise ValueError(f"speculative_generate: batch size 1 and max_new_tokens >= 1, got "
+                         f"{input_ids.shape[0]} and {max_new_tokens}")
+    spec = spec or DraftSpec()
+    device = input_ids.device
+    dtype = next(drafter.parameters()).dtype
+    kv_layers = list(drafter.cfg.kv_layers)
+    seq = input_ids[0].tolist()
+    res = DecodeResult(tokens=[], rounds=0)
+    start = _clock(device)
+
+    cache = DynamicCache(config=target.config)
+    n_past = len(seq)
+    logits, hidden = _forward(target, seq, torch.arange(n_past, device=device), cache, None, bool(aux_layers), device)
+    _, stop = _append(res.tokens, [_pick(logits[-1], temperature, generator)], max_new_tokens, eos_token_id)
+    rows, lo = torch.arange(n_past, device=device), 0          # the new anchors' rows and first position
+    state: StepState | None = None
+    res.prefill_s = _clock(device) - start
+    while stop is None:
+        t0 = _clock(device)
+        seq = input_ids[0].tolist() + res.tokens
+        ctx = drafter_context(cache, hidden, rows, aux_layers, kv_layers, dtype)
+        anchors = torch.arange(lo, n_past, device=device)[None]
+        state = drafter.begin(ctx, anchors, previous=state)
+        d = draft(drafter, state, torch.tensor([seq[lo + 1: n_past + 1]], device=device), anchors, spec,
+                  temperature, generator)
+        t1 = _clock(device)
+
+        positions = n_past + torch.tensor([0] + d.depths, device=device)
+        mask = tree_attention(d.parents, n_past, target.dtype, device)
+        logits, hidden = _forward(target, [seq[n_past]] + d.tokens, positions, cache, mask, bool(aux_layers), device)
+        if temperature > 0:
+            path, bonus = verify_sampling(logits, d, drafter.d2t, temperature, generator)
+        else:
+            path, bonus = verify_greedy(logits, d)
+        added, stop = _append(res.tokens, [d.tokens[i - 1] for i in path[1:]] + [bonus], max_new_tokens, eos_token_id)
+        res.rounds += 1
+        res.accepted.append(len(path) - 1)
+        res.emitted.append(added)
+        res.drafted.append(len(d.tokens))
+        if stop is None:
+            keep_path(cache, n_past, path)
+            rows, lo, n_past = torch.tensor(path, device=device), n_past, n_past + len(path)
+        res.draft_s += t1 - t0
+        res.verify_s += _clock(device) - t1
+    res.stopped_by = stop
+    res.total_s = _clock(device) - start
+    return res
+
+
+@torch.no_grad()
+def plain_generate(target, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | None = None,
+                   temperature: float = 0.0, generator: torch.Generator | None = None) -> DecodeResult:
+    """The baseline: the target alone, one token per forward, same cache and timing harness."""
+    if input_ids.shape[0] != 1 or max_new_tokens < 1:
+        raise ValueError(f"plain_generate: batch size 1 and max_new_tokens >= 1, got "
+                         f"{input_ids.shape[0]} and {max_new_tokens}")
+    device = input_ids.device
+    res = DecodeResult(tokens=[], rounds=0)
+    start = _clock(device)
+    cache = DynamicCache(config=target.config)
+    n_past = input_ids.shape[1]
+    logits, _ = _forward(target, input_ids[0].tolist(), torch.arange(n_past, device=device), cache, None, False, device)
+    _, stop = _append(res.tokens, [_pick(logits[-1], temperature, generator)], max_new_tokens, eos_token_id)
+    res.prefill_s = _clock(device) - start
+    while stop is None:
+        logits, _ = _forward(target, res.tokens[-1:], torch.tensor([n_past], device=device), cache, None, False, device)
+        n_past += 1
+        added, stop = _append(res.tokens, [_pick(logits[-1], temperature, generator)], max_new_tokens, eos_token_id)
+        res.rounds += 1
+        res.accepted.append(0)
+        res.emitted.append(added)
+        res.drafted.append(0)
+    res.verify_s = _clock(device) - start - res.prefill_s
+    res.stopped_by = stop
+    res.total_s = _clock(device) - start
+    return res

@@ -1,0 +1,134 @@
+"""Evaluation prompts, the target's cached greedy continuations, and the step-wise
+chain-drafting simulation (alpha_k, acc_k, MAT, retention with bootstrap intervals)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from .config import Runtime
+from .data import read_jsonl, render_chat
+from .drafters import Drafter
+from .features import pad_batch
+from .io import read_json, write_json
+from .metrics import alpha, bootstrap, chain_counts, mat, retention
+from .target import target_forward
+from .ttt import unroll
+
+
+def eval_prompts(eval_jsonl: str | Path, tokenizer, n: int, max_prompt_len: int) -> list[list[int]]:
+    """The conversation up to its first assistant turn, with the generation prompt; long
+    prompts keep their end (the part next to the answer)."""
+    prompts = []
+    for conv in read_jsonl(eval_jsonl)[:n]:
+        msgs = conv["messages"]
+        first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        ids = tokenizer.encode(render_chat(msgs[:first], add_generation_prompt=True), add_special_tokens=False)
+        prompts.append(ids[-max_prompt_len:])
+    return prompts
+
+
+@torch.no_grad()
+def greedy_continuations(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, device: str) -> list[dict]:
+    """The target's own greedy output for each prompt (batch 1: no padding effects)."""
+    out = []
+    for ids in tqdm(prompts, desc="target continuations", mininterval=5):
+        x = torch.tensor([ids], device=device)
+        gen = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        out.append({"prompt": ids, "continuation": gen[0, len(ids):].tolist()})
+    return out
+
+
+def run_continuations_stage(cfg: dict, rt: Runtime, eval_jsonl: str, target_dir: str, out_path: str) -> dict:
+    from .target import load_target
+    from .tokenizer import load_tokenizer
+
+    ecfg = cfg["eval"]
+    target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
+    tokenizer = load_tokenizer(target_dir)
+    prompts = eval_prompts(eval_jsonl, tokenizer, ecfg["prompts"], ecfg["max_prompt_len"])
+    start = time.time()
+    items = greedy_continuations(target, tokenizer, prompts, ecfg["max_new_tokens"], rt.device)
+    result = {"target": target_dir, "max_new_tokens": ecfg["max_new_tokens"], "eos_id": tokenizer.eos_token_id,
+              "seconds": time.time() - start, "items": items}
+    write_json(out_path, result)
+    return {"prompts": len(items), "tokens": sum(len(i["continuation"]) for i in items)}
+
+
+def chain_rows(prompt_len: int, length: int, steps: int) -> range:
+    """Anchors inside the continuation that leave room for all K steps: the target has
+    computed the prompt (anchor prompt_len-1 onwards) and position t+K exists."""
+    return range(prompt_len - 1, length - steps)
+
+
+@torch.no_grad()
+def stepwise(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
+             batch_size: int, device: str, bootstrap_samples: int = 1000, seed: int = 0) -> dict:
+    """Exact greedy chain drafting from every anchor of the target's continuations, batched
+    over anchors and sequences: draft K tokens on the drafter's own outputs and compare each
+    with the target's greedy token at that position."""
+    drafter.eval()
+    kv_layers = tuple(drafter.cfg.kv_layers)
+    head = target.lm_head.weight
+    reached_seq, accepted_seq, tf_correct, tf_total = [], [], torch.zeros(steps), torch.zeros(steps)
+    for i in tqdm(range(0, len(items), batch_size), desc="stepwise", mininterval=5):
+        group = items[i: i + batch_size]
+        seqs = [torch.tensor(it["prompt"] + it["continuation"]) for it in group]
+        batch = pad_batch([{"input_ids": s, "loss_mask": torch.ones_like(s, dtype=torch.uint8)} for s in seqs])
+        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        ctx = target_forward(target, ids, mask, aux_layers, kv_layers)
+        greedy = (ctx.last_hidden @ head.T).argmax(-1)                           # target's token after t
+        feats = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask, "aux_hidden": ctx.aux_hidden}
+        for l in kv_layers:
+            feats[f"key_{l}"], feats[f"value_{l}"] = ctx.keys[l], ctx.values[l]
+        chain = unroll(drafter, feats, steps, own_tokens=True)
+        forced = unroll(drafter, feats, steps)
+        for b, it in enumerate(group):
+            rows = torch.tensor(list(chain_rows(len(it["prompt"]), len(seqs[b]), steps)), dtype=torch.long)
+            if len(rows) == 0:
+                continue
+            want = torch.stack([greedy[b, rows + k + 1] for k in range(steps)], dim=1)
+            drafted = torch.stack([drafter.d2t[chain.logits[k][b, rows].argmax(-1)] for k in range(steps)], dim=1)
+            r, a = chain_counts(drafted == want)
+            reached_seq.append(r)
+            accepted_seq.append(a)
+            tf = torch.stack([drafter.d2t[forced.logits[k][b, rows].argmax(-1)] for k in range(steps)], dim=1)
+            tf_correct += (tf == want).sum(0).float()
+            tf_total += len(rows)
+    reached, accepted = torch.stack(reached_seq), torch.stack(accepted_seq)
+    alphas = alpha(reached.sum(0), accepted.sum(0))
+    result = {
+        "alpha": alphas,
+        "acc": (tf_correct / tf_total.clamp(min=1)).tolist(),
+        "acc_note": "unconditional teacher-forced top-1 accuracy per step (acc_k), not alpha_k",
+        "mat": mat(alphas),
+        "retention": retention(alphas),
+        "rounds": reached.sum(0).tolist(),
+        "accepted": accepted.sum(0).tolist(),
+        "sequences": int(reached.shape[0]),
+        "steps": steps,
+    }
+    result.update(bootstrap(reached, accepted, bootstrap_samples, seed))
+    return result
+
+
+def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dir: str, target_dir: str, continuations: str,
+                       features_index: str, out_path: str) -> dict:
+    from .drafters import load_drafter
+    from .target import load_target
+
+    target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
+    drafter = load_drafter(drafter_dir, rt.device)
+    aux = tuple(read_json(features_index)["spec"]["aux_layers"])
+    items = read_json(continuations)["items"]
+    start = time.time()
+    result = stepwise(drafter, target, items, aux, cfg["drafters"]["ttt_steps"], cfg["eval"]["batch_size"],
+                      rt.device, cfg["eval"]["bootstrap_samples"], cfg["seed"])
+    result.update(variant=Path(drafter_dir).name, paradigm=drafter.cfg.paradigm, layers=drafter.cfg.num_layers,
+                  seconds=time.time() - start, device=rt.device, threads=rt.threads)
+    write_json(out_path, result)
+    return {k: result[k] for k in ("alpha", "mat", "retention")}

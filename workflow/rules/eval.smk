@@ -1,0 +1,49 @@
+rule target_continuations:
+    input:
+        eval="results/data/eval.jsonl",
+        target="results/target/model",
+    output:
+        "results/eval/continuations.json",
+    params:
+        cfg=stage_params("target", "eval"),
+    log:
+        log_path("target_continuations"),
+    benchmark:
+        bench_path("target_continuations")
+    conda:
+        CPU_ENV
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=60,
+    shell:
+        "python -m kvshot target-continuations --config {params.cfg:q} --threads {threads} --eval {input.eval}"
+        " --target {input.target} --out {output} > {log} 2>&1"
+
+
+rule eval_stepwise:
+    input:
+        drafter="results/drafters/{variant}",
+        target="results/target/model",
+        continuations="results/eval/continuations.json",
+        features="results/features/eval",
+    output:
+        "results/eval/{variant}/stepwise.json",
+    wildcard_constraints:
+        variant="|".join(VARIANTS),
+    params:
+        cfg=stage_params("target", "drafters", "eval"),
+    log:
+        log_path("eval_stepwise", "_{variant}"),
+    benchmark:
+        bench_path("eval_stepwise", "_{variant}")
+    conda:
+        CPU_ENV
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=60,
+    shell:
+        "python -m kvshot eval-stepwise --config {params.cfg:q} --threads {threads} --drafter {input.drafter}"
+        " --target {input.target} --continuations {input.continuations}"
+        " --features-index {input.features}/index.json --out {output} > {log} 2>&1"
