@@ -56,6 +56,13 @@ def _cmd_eval_stepwise(args, cfg) -> dict:
                               args.features_index, args.out)
 
 
+def _cmd_report(args, cfg) -> dict:
+    from .report import run_report
+
+    names = [v["name"] for v in cfg["drafters"]["variants"]]
+    return run_report(args.results, names, args.tables, args.figures, args.claims_md, args.claims_json)
+
+
 STAGES = {
     "prepare-data": (_cmd_prepare_data, ("data",)),
     "train-tokenizer": (_cmd_train_tokenizer, ("tokenizer",)),
@@ -64,6 +71,7 @@ STAGES = {
     "train-drafter": (_cmd_train_drafter, ("drafters",)),
     "target-continuations": (_cmd_target_continuations, ("target", "eval")),
     "eval-stepwise": (_cmd_eval_stepwise, ("target", "drafters", "eval")),
+    "report": (_cmd_report, ("drafters",)),
 }
 
 
@@ -95,6 +103,9 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument(f"--{name}", required=True)
     s = sub.add_parser("eval-stepwise", parents=[common])
     for name in ("drafter", "target", "continuations", "features-index", "out"):
+        s.add_argument(f"--{name}", required=True)
+    s = sub.add_parser("report", parents=[common])
+    for name in ("results", "tables", "figures", "claims-md", "claims-json"):
         s.add_argument(f"--{name}", required=True)
     return p
 

@@ -54,6 +54,7 @@ class Draft:
     tokens: list[int]        # target ids
     parents: list[int]       # index into the nodes, -1: the root (the last known token)
     depths: list[int]        # 1..K
+    scores: list[float]      # cumulative draft log-probability (EAGLE-2's ranking)
     q: Tensor | None = None  # sampling: [N, draft vocab] the drafter's distribution for each node
 
 
@@ -157,7 +158,7 @@ def draft(drafter: Drafter, state: StepState, step0_ids: Tensor, anchors: Tensor
         if sample:
             q = torch.softmax(logits / temperature, dim=-1)
             cand_tok = torch.multinomial(q, 1, generator=generator).view(-1)
-            cand_row, cand_score = torch.zeros(1, dtype=torch.long, device=device), row_score
+            cand_row, cand_score = torch.zeros(1, dtype=torch.long, device=device), row_score + q[0, cand_tok].log()
             qs.append(q[0])
         else:
             top, idx = torch.log_softmax(logits, dim=-1).topk(spec.topk, dim=-1)
@@ -173,15 +174,15 @@ def draft(drafter: Drafter, state: StepState, step0_ids: Tensor, anchors: Tensor
         keep = cand_score.topk(min(spec.topk, len(cand_score))).indices   # the frontier drafts on
         state.select_rows(cand_row[keep])
         row_node, row_score, ids = first + keep, cand_score[keep], d2t[cand_tok[keep]][None]
-    out = Draft(tokens, parents, depths, torch.stack(qs) if sample else None)
-    return out if spec.total_tokens is None else _best_nodes(out, scores, spec.total_tokens)
+    out = Draft(tokens, parents, depths, scores, torch.stack(qs) if sample else None)
+    return out if spec.total_tokens is None else _best_nodes(out, spec.total_tokens)
 
 
-def _best_nodes(d: Draft, scores: list[float], n: int) -> Draft:
+def _best_nodes(d: Draft, n: int) -> Draft:
     """The n best nodes by cumulative score (ties: the earlier node). A child's score never
     exceeds its parent's and parents come earlier, so the set is closed under ancestors;
     ancestors are still added explicitly in case of a NaN."""
-    chosen = set(sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:n])
+    chosen = set(sorted(range(len(d.scores)), key=lambda i: (-d.scores[i], i))[:n])
     for i in list(chosen):
         while d.parents[i] >= 0 and d.parents[i] not in chosen:
             i = d.parents[i]
@@ -189,7 +190,7 @@ def _best_nodes(d: Draft, scores: list[float], n: int) -> Draft:
     order = sorted(chosen)
     new = {old: j for j, old in enumerate(order)}
     return Draft([d.tokens[i] for i in order], [new.get(d.parents[i], -1) for i in order],
-                 [d.depths[i] for i in order], None if d.q is None else d.q[order])
+                 [d.depths[i] for i in order], [d.scores[i] for i in order], None if d.q is None else d.q[order])
 
 
 def tree_attention(parents: list[int], n_past: int, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -1,0 +1,157 @@
+"""The paper's figures (PDF), from the result files only."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from .results import PAPER, Variant, roles  # noqa: E402
+
+PAPER_STYLE = {"marker": "X", "s": 90, "color": "black", "zorder": 5}
+
+
+def _style():
+    sns.set_theme(context="paper", style="whitegrid", font_scale=1.1)
+
+
+def _save(fig, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".pdf")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, bbox_inches="tight")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _err(values, cis):
+    lo = [v - c[0] if None not in (v, c[0]) else 0 for v, c in zip(values, cis)]
+    hi = [c[1] - v if None not in (v, c[1]) else 0 for v, c in zip(values, cis)]
+    return [lo, hi]
+
+
+def decay(variants: list[Variant], path) -> None:
+    _style()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for v in variants:
+        a = v.stepwise["alpha"]
+        ks = list(range(len(a)))
+        ax.errorbar(ks, a, yerr=_err(a, v.stepwise["alpha_ci"]), marker="o", capsize=3, label=v.label)
+    last = len(variants[0].stepwise["alpha"]) - 1
+    for who, value in PAPER["alpha_6"].items():
+        ax.scatter([6], [value], **PAPER_STYLE)
+        ax.annotate(f"paper {who}\n{value}", (6, value), textcoords="offset points", fontsize=7,
+                    xytext=(8, 4 if who == "kv-d4" else -16))
+    ax.set_xlabel("draft step k")
+    ax.set_ylabel(r"$\alpha_k$ (conditional acceptance)")
+    ax.set_title("Long-range decay of acceptance\n(X: the paper's Qwen3-8B values at k = 6)", fontsize=10)
+    ax.set_xticks(range(last + 1))
+    ax.set_xlim(-0.3, last + 1.2)
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8, loc="lower left")
+    _save(fig, path)
+
+
+def depth(variants: list[Variant], path) -> None:
+    _style()
+    r = roles(variants)
+    fig, ax = plt.subplots(figsize=(5.6, 4.0))
+    ds = sorted(r["kv"])
+    mats = [r["kv"][d].stepwise["mat"] for d in ds]
+    ax.errorbar(ds, mats, yerr=_err(mats, [r["kv"][d].stepwise["mat_ci"] for d in ds]), marker="o", capsize=3,
+                label="KV-only (this run)")
+    for key, style in (("eagle3", "--"), ("hybrid", ":")):
+        v = r[key]
+        if v:
+            ax.axhline(v.stepwise["mat"], linestyle=style, color="gray", label=f"{v.label}: {v.stepwise['mat']:.2f}")
+    ax.scatter([1, 2], [PAPER["mat"]["kv-d1"], PAPER["mat"]["kv-d2"]], label="paper KV-only (Qwen3-8B)", **PAPER_STYLE)
+    ax.set_xticks(ds)
+    ax.set_xlabel("KV-only drafter depth (layers)")
+    ax.set_ylabel("MAT (step-wise, chain)")
+    ax.set_title("Query-estimation bottleneck: MAT vs depth")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def gate(variants: list[Variant], path) -> None:
+    _style()
+    fig, ax = plt.subplots(figsize=(5.6, 3.8))
+    for v in variants:
+        recs = [x for x in v.log if "gate" in x]
+        if recs:
+            steps = [x["step"] for x in recs]
+            ax.plot(steps, [x["gate"]["mean"] for x in recs], label=f"{v.name}: mean g")
+            ax.fill_between(steps, [x["gate"]["min"] for x in recs], [x["gate"]["max"] for x in recs], alpha=0.2)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("gate g = sigmoid(gate logit)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Hybrid gate over training (band: min-max)")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def gradients(variants: list[Variant], path) -> None:
+    _style()
+    kv_variants = [v for v in variants if any(x.get("kv_key_share") is not None for x in v.log)]
+    fig, axes = plt.subplots(1, max(1, len(kv_variants)), figsize=(3.6 * max(1, len(kv_variants)), 3.6), sharey=True,
+                             squeeze=False)
+    for ax, v in zip(axes[0], kv_variants):
+        steps = [x["step"] for x in v.log]
+        for group in sorted({g for x in v.log for g in x["grad_norm"]}):
+            ax.plot(steps, [x["grad_norm"].get(group, float("nan")) for x in v.log], label=group,
+                    linewidth=2.5 if group == "kv_wk_wv" else 1.0)
+        ax.set_yscale("log")
+        ax.set_title(v.name)
+        ax.set_xlabel("training step")
+    axes[0][0].set_ylabel("gradient norm")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle("KV path's drafter-side W_K/W_V (bold) vs other parameter groups")
+    _save(fig, path)
+
+
+def query_error(variants: list[Variant], path) -> None:
+    _style()
+    fig, ax = plt.subplots(figsize=(5.6, 3.8))
+    for v in variants:
+        cos = (v.train.get("eval") or {}).get("query_cosine")
+        if cos:
+            ax.plot(range(len(cos)), cos, marker="o", label=v.label)
+    ax.set_xlabel("draft step k")
+    ax.set_ylabel("cosine(drafter query, target query)")
+    ax.set_title("Query estimation: KV-path query vs the target's own")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def e2e(variants: list[Variant], path) -> None:
+    _style()
+    rows = [(v.name, mode, m) for v in variants if v.e2e for mode, m in v.e2e["modes"].items()]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9.5, 3.8))
+    if rows:
+        import pandas as pd
+
+        df = pd.DataFrame([{"variant": n, "mode": mo, "tau": m["tau"], "tokens/s": m["tokens_per_s"]} for n, mo, m in rows])
+        sns.barplot(df, x="variant", y="tau", hue="mode", ax=a1)
+        sns.barplot(df, x="variant", y="tokens/s", hue="mode", ax=a2)
+        base = next(v.e2e["baseline"]["tokens_per_s"] for v in variants if v.e2e)
+        a2.axhline(base, color="black", linestyle="--", label="plain decoding")
+        a1.axhline(1.0, color="black", linestyle="--")
+        a2.legend(fontsize=8)
+        for ax in (a1, a2):
+            ax.tick_params(axis="x", rotation=30)
+    a1.set_title("tokens per verification round (tau)")
+    a2.set_title("throughput")
+    _save(fig, path)
+
+
+FIGURES = {"decay": decay, "depth": depth, "gate": gate, "gradients": gradients, "query_error": query_error, "e2e": e2e}

@@ -1,0 +1,338 @@
+"""End-to-end speculative decoding: greedy output equals the target's own greedy output for
+every paradigm, chain and tree; speculative sampling reproduces the target's distribution;
+chain acceptance equals the teacher-forced step-wise simulation; the result's fields agree."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvshot.data import read_jsonl, render_chat
+from kvshot.decode import (Draft, DraftSpec, drafter_context, draft, keep_path, plain_generate,
+                           speculative_generate, tree_attention, verify_greedy)
+from kvshot.features import open_features, pad_batch
+from kvshot.target import load_target, pack_blocks, pretrain, target_forward, tokenized
+from kvshot.tokenizer import load_tokenizer
+from kvshot.train import build_variant, draft_vocab
+from kvshot.ttt import step_losses, target_labels, unroll, weighted_loss
+
+K = 4                                              # chain length and tree depth
+CHAIN = DraftSpec(depth=K)
+TREE = DraftSpec(depth=K, topk=3, total_tokens=10)
+VARIANTS = {
+    "hidden-1": {"name": "h1", "paradigm": "hidden", "layers": 1},
+    "kv-1": {"name": "k1", "paradigm": "kv", "layers": 1},
+    "kv-2": {"name": "k2", "paradigm": "kv", "layers": 2},
+    "hybrid-1": {"name": "y1", "paradigm": "hybrid", "layers": 1},
+    "hybrid-2": {"name": "y2", "paradigm": "hybrid", "layers": 2, "gate_shape": "channel"},
+}
+MAX_NEW = 28
+
+
+# ---------------------------------------------------------------- fixtures
+
+def prompts_of(conversations: list[dict], tok, multi_turn: bool) -> list[list[int]]:
+    """Up to the first assistant turn, or (multi_turn) up to the last one: longer prompts."""
+    out = []
+    for conv in conversations:
+        msgs = conv["messages"]
+        upto = max(i for i, m in enumerate(msgs) if m["role"] == "assistant") if multi_turn else 1
+        out.append(tok.encode(render_chat(msgs[:upto], add_generation_prompt=True), add_special_tokens=False))
+    return out
+
+
+def distill_batch(target, seqs: list[tuple[list[int], int]], aux_layers, kv_layers) -> dict:
+    """Target features of (prompt + continuation) sequences; the loss covers the continuation."""
+    samples = []
+    for ids, n_prompt in seqs:
+        x = torch.tensor([ids])
+        ctx = target_forward(target, x, None, aux_layers, kv_layers)
+        item = {"input_ids": x[0], "loss_mask": (torch.arange(len(ids)) >= n_prompt).long(),
+                "aux_hidden": ctx.aux_hidden[0], "last_hidden": ctx.last_hidden[0]}
+        for l in kv_layers:
+            item[f"key_{l}"], item[f"value_{l}"] = ctx.keys[l][0], ctx.values[l][0]
+        samples.append(item)
+    return pad_batch(samples)
+
+
+def train_quick(model, batch, head_w, steps: int, lr: float):
+    """A few TTT steps on the target's own continuations: enough for non-trivial acceptance."""
+    labels = target_labels(batch["last_hidden"], head_w, model.d2t)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    for _ in range(steps):
+        losses = step_losses(model, unroll(model, batch, K), batch, labels)[0]
+        weighted_loss(losses, 0.8).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def world(tiny, tiny_features):
+    """A target trained past the fixture's 3 steps (varied greedy text that ends with
+    <|im_end|>), prompts of several lengths, and one briefly trained drafter per variant."""
+    torch.manual_seed(0)
+    tok = load_tokenizer(tiny["tokenizer"])
+    target = load_target(tiny["model"], tiny["rt"])
+    blocks = pack_blocks(tokenized(read_jsonl(tiny["train"]), tok, 128), tok.pad_token_id, 64)
+    pretrain(target, blocks, {**tiny["cfg"]["target"]["pretrain"], "max_steps": 150, "lr": 1e-2,
+                              "warmup_steps": 5, "max_minutes": 5}, tiny["rt"])
+    target.eval().requires_grad_(False)
+    src = open_features(tiny_features["train"])
+    aux = tuple(src.spec.aux_layers)
+    n_layers = target.config.num_hidden_layers
+    d2t = draft_vocab(src, 150, target.config.vocab_size)
+
+    evals = read_jsonl(tiny["eval"])
+    prompts = prompts_of(evals[:4], tok, False) + prompts_of(evals[4:6], tok, True)
+    train_prompts = prompts_of(read_jsonl(tiny["train"])[:8], tok, False)
+    seqs = []
+    for p in prompts + train_prompts:   # eos does not stop: the drafters also see what follows it
+        x = torch.tensor([p])
+        g = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=40,
+                            eos_token_id=None, pad_token_id=tok.pad_token_id)
+        seqs.append((g[0].tolist(), len(p)))
+    batch = distill_batch(target, seqs, aux, tuple(range(n_layers)))
+    head_w = target.lm_head.weight.detach()
+    drafters = {}
+    for i, (name, v) in enumerate(VARIANTS.items()):
+        torch.manual_seed(i)
+        model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), d2t)
+        drafters[name] = train_quick(model, batch, head_w, steps=60, lr=3e-3)
+    return {"tok": tok, "target": target, "aux": aux, "prompts": prompts, "drafters": drafters,
+            "eos": tok.eos_token_id, "refs": {}}
+
+
+def reference(world, i: int, max_new: int, eos=True) -> list[int]:
+    """target.generate's greedy tokens for prompt i (cached)."""
+    key = (i, max_new, eos)
+    if key not in world["refs"]:
+        x = torch.tensor([world["prompts"][i]])
+        g = world["target"].generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
+                                     eos_token_id=world["eos"] if eos else None,
+                                     pad_token_id=world["tok"].pad_token_id)
+        world["refs"][key] = g[0, x.shape[1]:].tolist()
+    return world["refs"][key]
+
+
+def run(world, drafter, i: int, max_new: int, spec: DraftSpec, **kw):
+    x = torch.tensor([world["prompts"][i]])
+    return speculative_generate(world["target"], drafter, x, max_new, kw.pop("eos", world["eos"]), world["aux"],
+                                spec, **kw)
+
+
+# ---------------------------------------------------------------- pure parts
+
+def test_tree_attention_sees_prefix_and_ancestors_only():
+    #      root(0) -> a(1) -> c(3)
+    #             \-> b(2) -> d(4)
+    mask = tree_attention([-1, -1, 0, 1], n_past=3, dtype=torch.float32, device=torch.device("cpu"))
+    seen = mask[0, 0] == 0
+    assert mask.shape == (1, 1, 5, 8) and seen[:, :3].all()
+    expect = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]])
+    assert torch.equal(seen[:, 3:], expect.bool())
+
+
+def test_verify_greedy_follows_matching_children():
+    d = Draft(tokens=[5, 6, 7, 8], parents=[-1, -1, 0, 1], depths=[1, 1, 2, 2], scores=[0.0] * 4)
+    logits = torch.full((5, 10), -1.0)
+    for row, tok in enumerate([6, 1, 8, 1, 1]):   # root -> 6 (node b), then b -> 8 (node d), then 1
+        logits[row, tok] = 1.0
+    path, bonus = verify_greedy(logits, d)
+    assert path == [0, 2, 4] and bonus == 1
+
+
+def test_keep_path_gathers_accepted_rows():
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    k = torch.arange(8.0).view(1, 1, 8, 1).expand(1, 2, 8, 3).contiguous()
+    cache.update(k, k + 100, 0)
+    keep_path(cache, 3, [0, 2, 4])                 # tree rows 0, 2, 4 sit at 3, 5, 7
+    assert cache.get_seq_length() == 6
+    assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 5, 7]
+    assert cache.layers[0].values[0, 1, :, 0].tolist() == [100, 101, 102, 103, 105, 107]
+
+
+# ---------------------------------------------------------------- greedy == target.generate
+
+@pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_equals_target_generate(world, variant, spec):
+    drafter = world["drafters"][variant]
+    accepted, stops = [], set()
+    for i in range(len(world["prompts"])):
+        res = run(world, drafter, i, MAX_NEW, spec)
+        assert res.tokens == reference(world, i, MAX_NEW), f"{variant} prompt {i}"
+        accepted += res.accepted
+        stops.add(res.stopped_by)
+    assert max(accepted) >= 2, f"{variant}: the drafter never had 2 tokens accepted; the test would hide bugs"
+    assert stops == {"eos", "max_new_tokens"}
+
+
+def test_greedy_cuts_blocks_at_max_new_tokens_and_eos(world):
+    """Choose max_new_tokens so a multi-token block is cut in its middle, and find a prompt
+    whose <|im_end|> is an accepted draft with more tokens (at least the bonus) after it."""
+    drafter = world["drafters"]["kv-2"]
+    cuts = eos_inside = 0
+    for i in range(len(world["prompts"])):
+        for spec in (CHAIN, TREE):
+            full = run(world, drafter, i, MAX_NEW, spec)
+            last = full.rounds - 1
+            if full.stopped_by == "eos" and full.emitted[last] < full.accepted[last] + 1:
+                eos_inside += 1
+            before = 1
+            for acc, emitted in zip(full.accepted, full.emitted):
+                if acc >= 2 and emitted == acc + 1:
+                    cut = run(world, drafter, i, before + 1, spec)    # keep one token of this block
+                    assert cut.tokens == reference(world, i, before + 1)
+                    assert cut.emitted[-1] == 1 and cut.accepted[-1] == acc and cut.stopped_by == "max_new_tokens"
+                    cuts += 1
+                    break
+                before += emitted
+    assert cuts >= 2 and eos_inside >= 1, (cuts, eos_inside)
+
+
+# ---------------------------------------------------------------- tree drafting is tree-structured
+
+def test_tree_nodes_score_their_own_ancestor_chain(world):
+    """Each tree node's score is the drafter's cumulative log-prob along its own ancestor
+    path, recomputed by plain chain drafting with that path forced: rows of a tree never see
+    siblings' or cousins' keys."""
+    target = world["target"]
+    for variant in ("hidden-1", "kv-2", "hybrid-2"):
+        drafter = world["drafters"][variant]
+        p = world["prompts"][4]
+        first = reference(world, 4, 1)[0]
+        x = torch.tensor([p])
+        out = target.model(input_ids=x, output_hidden_states=True, use_cache=True)
+        ctx = drafter_context(out.past_key_values, out.hidden_states, torch.arange(len(p)), world["aux"],
+                              drafter.cfg.kv_layers, torch.float32)
+        anchors = torch.arange(len(p))[None]
+        step0 = torch.tensor([p[1:] + [first]])
+        tree = draft(drafter, drafter.begin(ctx, anchors), step0, anchors, DraftSpec(depth=3, topk=3))
+        assert len(tree.tokens) == 3 + 9 + 9 and len(set(tree.parents)) > 4
+        for n in range(len(tree.tokens)):
+            path = [n]
+            while tree.parents[path[0]] >= 0:
+                path.insert(0, tree.parents[path[0]])
+            state = drafter.begin(ctx, anchors)
+            h = drafter.step(state, step0, anchors + 1, 0)[:, -1:]
+            state.select_rows(slice(-1, None))
+            score = 0.0
+            for k, node in enumerate(path):
+                if k > 0:
+                    h = drafter.step(state, torch.tensor([[tree.tokens[path[k - 1]]]]), torch.tensor([[len(p) + k]]), k)
+                logp = torch.log_softmax(drafter.logits(h)[0, 0].float(), -1)
+                score += float(logp[(drafter.d2t == tree.tokens[node]).nonzero()[0, 0]])
+            assert math.isclose(score, tree.scores[n], abs_tol=1e-4), (variant, n)
+
+
+# ---------------------------------------------------------------- chain acceptance == step-wise simulation
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_chain_acceptance_equals_teacher_forced_unroll(world, variant):
+    """Along the target's greedy continuation, round r drafts from anchor t_r; the tokens it
+    gets accepted equal the leading steps of the TTT unroll at t_r whose prediction is the
+    target's greedy token (unroll on the full greedy sequence, target_forward features)."""
+    drafter, target = world["drafters"][variant], world["target"]
+    n_layers = target.config.num_hidden_layers
+    compared = positive = 0
+    for i in (0, 4):
+        p = world["prompts"][i]
+        res = run(world, drafter, i, MAX_NEW, CHAIN, eos=None)
+        seq = p + reference(world, i, MAX_NEW + K + 2, eos=False)
+        assert res.tokens == seq[len(p): len(p) + MAX_NEW]
+        x = torch.tensor([seq])
+        ctx = target_forward(target, x, None, world["aux"], tuple(range(n_layers)))
+        batch = {"input_ids": x, "attention_mask": torch.ones_like(x), "loss_mask": torch.ones_like(x),
+                 "aux_hidden": ctx.aux_hidden, **{f"key_{l}": ctx.keys[l] for l in range(n_layers)},
+                 **{f"value_{l}": ctx.values[l] for l in range(n_layers)}}
+        with torch.no_grad():
+            un = unroll(drafter, batch, K)
+        greedy = target.lm_head(ctx.last_hidden)[0].argmax(-1)
+        t = len(p) - 1
+        for acc in res.accepted:
+            lead = 0
+            while lead < K and int(drafter.d2t[un.logits[lead][0, t].argmax()]) == int(greedy[t + lead + 1]):
+                lead += 1
+            assert acc == lead, (variant, i, t)
+            compared += 1
+            positive += acc > 0
+            t += acc + 1
+    assert compared >= 10 and positive >= 2
+
+
+# ---------------------------------------------------------------- speculative sampling
+
+def chi_square_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    stat = ((observed - expected) ** 2 / expected).sum()
+    df = torch.tensor(len(observed) - 1.0, dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))    # upper tail of chi2(df)
+
+
+def test_sampling_reproduces_target_distribution(world):
+    """Many decodes of 3 tokens at temperature 0.8: given the first token (the prefill's), the
+    second (first verified position) follows p(.|y0) and the third follows
+    sum_y1 p(y1|y0) p(.|y0,y1), though drafts are accepted and rejected along the way."""
+    target, drafter = world["target"], world["drafters"]["kv-2"]
+    temp, n = 0.8, 900
+    p_ids = world["prompts"][1]
+    gen = torch.Generator().manual_seed(0)
+    runs = [run(world, drafter, 1, 3, DraftSpec(depth=2), temperature=temp, generator=gen, eos=None)
+            for _ in range(n)]
+    y0 = max(set(r.tokens[0] for r in runs), key=lambda t: sum(r.tokens[0] == t for r in runs))
+    kept = [r.tokens for r in runs if r.tokens[0] == y0]
+    assert len(kept) > 300
+    first_round = [r.accepted[0] for r in runs]
+    assert 0 < sum(a == 0 for a in first_round) < n and max(first_round) == 2   # rejections and acceptances
+
+    with torch.no_grad():
+        v = target.config.vocab_size
+        p1 = torch.softmax(target(torch.tensor([p_ids + [y0]])).logits[0, -1] / temp, -1)
+        both = torch.tensor([p_ids + [y0, y1] for y1 in range(v)])
+        p2 = p1 @ torch.softmax(target(both).logits[:, -1] / temp, -1)
+    for pos, expected in ((1, p1), (2, p2)):
+        counts = torch.bincount(torch.tensor([t[pos] for t in kept]), minlength=v).double()
+        exp = expected.double() * len(kept)
+        big = exp >= 5                               # chi-square bins; the rest pooled
+        obs_bins = torch.cat([counts[big], counts[~big].sum()[None]])
+        exp_bins = torch.cat([exp[big], exp[~big].sum()[None]])
+        pvalue = chi_square_pvalue(obs_bins, exp_bins * obs_bins.sum() / exp_bins.sum())
+        tv = 0.5 * float((counts / len(kept) - expected.double()).abs().sum())
+        assert pvalue > 1e-3 and tv < 0.12, (pos, pvalue, tv)
+
+
+def test_sampling_rejects_trees(world):
+    with pytest.raises(ValueError, match="chains only"):
+        run(world, world["drafters"]["kv-1"], 0, 8, TREE, temperature=1.0)
+
+
+# ---------------------------------------------------------------- result fields and the baseline
+
+def test_result_fields_are_consistent(world):
+    drafter = world["drafters"]["hybrid-1"]
+    for spec in (CHAIN, TREE):
+        res = run(world, drafter, 5, MAX_NEW, spec)
+        assert res.rounds == len(res.accepted) == len(res.emitted) == len(res.drafted) > 0
+        assert sum(res.emitted) + 1 == len(res.tokens)           # + the prefill's token
+        assert res.tau == pytest.approx((len(res.tokens) - 1) / res.rounds)
+        assert all(1 <= e <= a + 1 for a, e in zip(res.accepted, res.emitted))
+        assert all(a <= K for a in res.accepted) and all(d == (K if spec is CHAIN else 10) for d in res.drafted)
+        assert min(res.prefill_s, res.draft_s, res.verify_s) > 0
+        assert res.prefill_s + res.draft_s + res.verify_s <= res.total_s
+        assert res.tokens_per_s == pytest.approx(len(res.tokens) / res.total_s)
+        d = res.as_dict()
+        assert d["tau"] == res.tau and d["tokens"] == res.tokens
+    base = plain_generate(world["target"], torch.tensor([world["prompts"][5]]), MAX_NEW, world["eos"])
+    assert base.tokens == reference(world, 5, MAX_NEW) == res.tokens
+    assert base.rounds == len(base.tokens) - 1 and base.tau == 1.0 and base.draft_s == 0
+    assert base.tokens_per_s > 0 and res.tokens_per_s / base.tokens_per_s > 0   # a speedup is computable
+
+
+def test_batch_size_one_only(world):
+    x = torch.tensor([world["prompts"][0]] * 2)
+    with pytest.raises(ValueError, match="batch size 1"):
+        speculative_generate(world["target"], world["drafters"]["kv-1"], x, 4, world["eos"], world["aux"])

@@ -1,0 +1,33 @@
+FIGURES = ["decay", "depth", "gate", "gradients", "query_error", "e2e"]
+
+
+rule report:
+    input:
+        stepwise=expand("results/eval/{variant}/stepwise.json", variant=VARIANTS),
+        e2e=expand("results/eval/{variant}/e2e.json", variant=VARIANTS),
+        drafters=expand("results/drafters/{variant}", variant=VARIANTS),
+    output:
+        tables=directory("results/tables"),
+        figures=report(
+            expand("figures/{figure}.pdf", figure=FIGURES),
+            caption="../report/figures.rst",
+            category="Figures",
+        ),
+        claims_md=report("results/claims.md", caption="../report/claims.rst", category="Claims"),
+        claims_json="results/claims.json",
+    params:
+        cfg=stage_params("drafters"),
+    log:
+        log_path("report"),
+    benchmark:
+        bench_path("report")
+    conda:
+        CPU_ENV
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=20,
+    shell:
+        "python -m kvshot report --config {params.cfg:q} --threads {threads} --results results"
+        " --tables {output.tables} --figures figures --claims-md {output.claims_md}"
+        " --claims-json {output.claims_json} > {log} 2>&1"
