@@ -14,6 +14,7 @@ include: "workflow/rules/target.smk"
 include: "workflow/rules/features.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/eval.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:
@@ -23,4 +24,7 @@ rule all:
         expand("results/features/{split}", split=SPLITS),
         expand("results/drafters/{variant}", variant=VARIANTS),
         expand("results/eval/{variant}/stepwise.json", variant=VARIANTS),
+        expand("results/eval/{variant}/e2e.json", variant=VARIANTS),
+        expand("figures/{figure}.pdf", figure=FIGURES),
+        "results/claims.md",
     default_target: True

@@ -58,17 +58,30 @@ def test_smoke_dag_end_to_end(tmp_path):
         assert metrics["steps"] == 4 and len(metrics["eval"]["acc"]) == 7
         assert all(len(r["acc_k"]) == 7 and len(r["loss_k"]) == 7 for r in log)
         assert (folder / "model.safetensors").exists() and (wd / f"results/drafters/{name}.ckpt").exists()
-    rules = ["prepare_data", "train_tokenizer", "target", "capture_features_train", "capture_features_eval"]
-    for rule in rules + [f"train_drafter_{name}" for name in variants]:
+        stepwise = json.loads((wd / f"results/eval/{name}/stepwise.json").read_text())
+        assert len(stepwise["alpha"]) == 7 and stepwise["rounds"][0] > 0 and stepwise["mat"] >= 1
+        e2e = json.loads((wd / f"results/eval/{name}/e2e.json").read_text())
+        assert e2e["lossless"] is True and set(e2e["modes"]) == {"chain", "tree"}
+    for fig in ("decay", "depth", "gate", "gradients", "query_error", "e2e"):
+        assert (wd / f"figures/{fig}.pdf").read_bytes()[:4] == b"%PDF"
+    claims = json.loads((wd / "results/claims.json").read_text())
+    assert len(claims) == 8 and all(c["verdict"] for c in claims)
+    for table in ("stepwise", "depth", "e2e", "paper"):
+        assert (wd / f"results/tables/{table}.csv").exists()
+    rules = ["prepare_data", "train_tokenizer", "target", "capture_features_train", "capture_features_eval",
+             "target_continuations", "report"]
+    per_variant = ("train_drafter", "eval_stepwise", "eval_e2e")
+    for rule in rules + [f"{r}_{name}" for r in per_variant for name in variants]:
         assert (wd / f"logs/{rule}.log").exists()
         assert (wd / f"results/benchmarks/rules/{rule}.tsv").exists()
     # everything is up to date afterwards; a config change reruns only what depends on it
     assert "Nothing to be done" in (snakemake(wd, "-n", "--configfile", "config/smoke.yaml").stdout)
     (wd / "more.yaml").write_text("features:\n  kv_layers: [3]\n")
     jobs = dry_run_jobs(wd, "config/smoke.yaml", "more.yaml")
-    assert jobs == {"capture_features": 2, "train_drafter": 5, "all": 1}
+    downstream = {"train_drafter": 5, "eval_stepwise": 5, "eval_e2e": 5, "report": 1, "all": 1}
+    assert jobs == {"capture_features": 2, **downstream}
     (wd / "more.yaml").write_text("drafters:\n  train:\n    lr: 0.002\n")
-    assert dry_run_jobs(wd, "config/smoke.yaml", "more.yaml") == {"train_drafter": 5, "all": 1}
+    assert dry_run_jobs(wd, "config/smoke.yaml", "more.yaml") == downstream
 
 
 def test_paper_dag_dry_runs_with_the_default_rule_graph(tmp_path):
@@ -78,7 +91,8 @@ def test_paper_dag_dry_runs_with_the_default_rule_graph(tmp_path):
     smoke = dry_run_jobs(wd, "config/smoke.yaml")
     assert default == paper == smoke
     assert default == {"prepare_data": 1, "train_tokenizer": 1, "target": 1, "capture_features": 2,
-                       "train_drafter": 5, "all": 1}
+                       "target_continuations": 1, "train_drafter": 5, "eval_stepwise": 5, "eval_e2e": 5,
+                       "report": 1, "all": 1}
 
 
 def test_lint_is_clean(tmp_path):

@@ -56,6 +56,13 @@ def _cmd_eval_stepwise(args, cfg) -> dict:
                               args.features_index, args.out)
 
 
+def _cmd_eval_e2e(args, cfg) -> dict:
+    from .e2e import run_e2e_stage
+
+    return run_e2e_stage(cfg, runtime(cfg), args.drafter, args.target, args.continuations, args.features_index,
+                         args.out)
+
+
 def _cmd_report(args, cfg) -> dict:
     from .report import run_report
 
@@ -71,6 +78,7 @@ STAGES = {
     "train-drafter": (_cmd_train_drafter, ("drafters",)),
     "target-continuations": (_cmd_target_continuations, ("target", "eval")),
     "eval-stepwise": (_cmd_eval_stepwise, ("target", "drafters", "eval")),
+    "eval-e2e": (_cmd_eval_e2e, ("target", "drafters", "eval")),
     "report": (_cmd_report, ("drafters",)),
 }
 
@@ -102,6 +110,9 @@ def parser() -> argparse.ArgumentParser:
     for name in ("eval", "target", "out"):
         s.add_argument(f"--{name}", required=True)
     s = sub.add_parser("eval-stepwise", parents=[common])
+    for name in ("drafter", "target", "continuations", "features-index", "out"):
+        s.add_argument(f"--{name}", required=True)
+    s = sub.add_parser("eval-e2e", parents=[common])
     for name in ("drafter", "target", "continuations", "features-index", "out"):
         s.add_argument(f"--{name}", required=True)
     s = sub.add_parser("report", parents=[common])

@@ -192,6 +192,10 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     head_w = target.lm_head.weight.detach()
     d2t = draft_vocab(train_src, dcfg["draft_vocab_size"], target.config.vocab_size)
     model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), d2t).to(rt.device)
+    missing = sorted(set(model.cfg.kv_layers) - set(train_src.spec.kv_layers))
+    if missing:
+        raise ConfigError(f"config: features.kv_layers: variant {name} reads target layers {missing}, "
+                          f"which the features do not hold ({list(train_src.spec.kv_layers)})")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"], betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(

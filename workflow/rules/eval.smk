@@ -47,3 +47,31 @@ rule eval_stepwise:
         "python -m kvshot eval-stepwise --config {params.cfg:q} --threads {threads} --drafter {input.drafter}"
         " --target {input.target} --continuations {input.continuations}"
         " --features-index {input.features}/index.json --out {output} > {log} 2>&1"
+
+
+rule eval_e2e:
+    input:
+        drafter="results/drafters/{variant}",
+        target="results/target/model",
+        continuations="results/eval/continuations.json",
+        features="results/features/eval",
+    output:
+        "results/eval/{variant}/e2e.json",
+    wildcard_constraints:
+        variant="|".join(VARIANTS),
+    params:
+        cfg=stage_params("target", "drafters", "eval"),
+    log:
+        log_path("eval_e2e", "_{variant}"),
+    benchmark:
+        bench_path("eval_e2e", "_{variant}")
+    conda:
+        CPU_ENV
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=60,
+    shell:
+        "python -m kvshot eval-e2e --config {params.cfg:q} --threads {threads} --drafter {input.drafter}"
+        " --target {input.target} --continuations {input.continuations}"
+        " --features-index {input.features}/index.json --out {output} > {log} 2>&1"
