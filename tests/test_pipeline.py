@@ -74,6 +74,10 @@ def test_smoke_dag_end_to_end(tmp_path):
     for rule in rules + [f"{r}_{name}" for r in per_variant for name in variants]:
         assert (wd / f"logs/{rule}.log").exists()
         assert (wd / f"results/benchmarks/rules/{rule}.tsv").exists()
+    proc = snakemake(wd, "--configfile", "config/smoke.yaml", "--report", "report.html")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    html = (wd / "report.html").read_text(errors="replace")
+    assert all(name in html for name in ("decay.pdf", "claims.md", "stepwise.csv"))
     # everything is up to date afterwards; a config change reruns only what depends on it
     assert "Nothing to be done" in (snakemake(wd, "-n", "--configfile", "config/smoke.yaml").stdout)
     (wd / "more.yaml").write_text("features:\n  kv_layers: [3]\n")
@@ -93,6 +97,17 @@ def test_paper_dag_dry_runs_with_the_default_rule_graph(tmp_path):
     assert default == {"prepare_data": 1, "train_tokenizer": 1, "target": 1, "capture_features": 2,
                        "target_continuations": 1, "train_drafter": 5, "eval_stepwise": 5, "eval_e2e": 5,
                        "report": 1, "all": 1}
+
+
+def test_scaling_sweep_is_its_own_target(tmp_path):
+    wd = workdir(tmp_path)
+    proc = snakemake(wd, "figures/scaling.pdf", "-n", "--cores", "1", "--configfile", "config/paper.yaml")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    jobs = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", out[out.index("Job stats:"):], re.M)}
+    # 3 sizes (70k, 140k, 280k) x 5 paradigms, each trained and evaluated, then one figure
+    assert jobs["scaling_train"] == 15 and jobs["scaling_stepwise"] == 15 and jobs["scaling_report"] == 1
+    assert "results/scaling/n70000/drafters/kv-d4" in out
 
 
 def test_lint_is_clean(tmp_path):

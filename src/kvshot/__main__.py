@@ -70,6 +70,13 @@ def _cmd_report(args, cfg) -> dict:
     return run_report(args.results, names, args.tables, args.figures, args.claims_md, args.claims_json)
 
 
+def _cmd_scaling_report(args, cfg) -> dict:
+    from .report import run_scaling_report
+
+    return run_scaling_report(args.results, cfg["scaling"]["train_samples"], cfg["scaling"]["variants"],
+                              args.figure, args.table)
+
+
 STAGES = {
     "prepare-data": (_cmd_prepare_data, ("data",)),
     "train-tokenizer": (_cmd_train_tokenizer, ("tokenizer",)),
@@ -80,6 +87,7 @@ STAGES = {
     "eval-stepwise": (_cmd_eval_stepwise, ("target", "drafters", "eval")),
     "eval-e2e": (_cmd_eval_e2e, ("target", "drafters", "eval")),
     "report": (_cmd_report, ("drafters",)),
+    "scaling-report": (_cmd_scaling_report, ("drafters", "scaling")),
 }
 
 
@@ -114,6 +122,9 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument(f"--{name}", required=True)
     s = sub.add_parser("eval-e2e", parents=[common])
     for name in ("drafter", "target", "continuations", "features-index", "out"):
+        s.add_argument(f"--{name}", required=True)
+    s = sub.add_parser("scaling-report", parents=[common])
+    for name in ("results", "figure", "table"):
         s.add_argument(f"--{name}", required=True)
     s = sub.add_parser("report", parents=[common])
     for name in ("results", "tables", "figures", "claims-md", "claims-json"):

@@ -16,7 +16,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-SECTIONS = ("data", "tokenizer", "target", "features", "drafters", "eval")
+SECTIONS = ("data", "tokenizer", "target", "features", "drafters", "eval", "scaling")
 GLOBALS = ("seed", "device", "dtype", "threads")
 
 
@@ -108,6 +108,11 @@ def _check_semantics(cfg: dict, source: str) -> None:
     tok = cfg.get("tokenizer")
     if tok is not None and tok["source"] == "pretrained" and not tok.get("name"):
         raise ConfigError(f"{source}: tokenizer.name: missing (tokenizer.source is 'pretrained')")
+    if "scaling" in cfg and "drafters" in cfg:
+        names = {v["name"] for v in cfg["drafters"]["variants"]}
+        for i, name in enumerate(cfg["scaling"]["variants"]):
+            if name not in names:
+                raise ConfigError(f"{source}: scaling.variants.{i}: {name!r} is not in drafters.variants")
     data = cfg.get("data")
     if data is not None:
         for i, src in enumerate(data["sources"]):

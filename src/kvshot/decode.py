@@ -9,14 +9,18 @@ last token x[n_past] (its bonus) is known but not yet in its cache:
           drafts on: a chain of K tokens, or an EAGLE-2 style tree (top-k expansion of the
           best nodes per depth, then the best `total_tokens` nodes overall);
   verify  one target forward over [x[n_past]] + draft nodes with a tree attention mask
-          (cache + ancestors), positions n_past + depth; greedy (output identical to
-          `target.generate(do_sample=False)`) or speculative sampling (chain only);
+          (cache + ancestors; a chain uses HF's own causal mask), positions n_past + depth;
+          greedy (output identical to `target.generate(do_sample=False)`) or speculative
+          sampling at a temperature, no top-k/top-p (chain only);
   keep    the target's cache keeps the accepted path (gathered into place, then cropped),
           whose positions become the next round's anchors.
 
 tau = tokens emitted by verification rounds / rounds: accepted drafts plus the bonus token
 per round, the quantity EAGLE counts as accept_length + 1. The first token comes from the
 prefill, which verifies nothing, so tau = (len(tokens) - 1) / rounds.
+
+Batch size 1, as EAGLE's and the paper's HF decoder: rows of a batch accept different
+lengths, which would need per-row cache lengths and padding masks in every round.
 """
 from __future__ import annotations
 
@@ -25,7 +29,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache
 
@@ -141,8 +144,8 @@ def draft(drafter: Drafter, state: StepState, step0_ids: Tensor, anchors: Tensor
         raise ValueError("speculative sampling is implemented for chains only (DraftSpec.topk == 1)")
     d2t, device = drafter.d2t, anchors.device
     t = int(anchors[0, -1])
-    h = drafter.step(state, step0_ids, anchors + 1, 0)[:, -1:]
-    state.select_rows(slice(-1, None))
+    h = drafter.step(state, step0_ids, anchors + 1, 0)[:, -1:]   # step 0 over every new anchor
+    state.select_rows(slice(-1, None))                           # only the last one drafts on
     tokens: list[int] = []
     parents: list[int] = []
     depths: list[int] = []
@@ -150,7 +153,7 @@ def draft(drafter: Drafter, state: StepState, step0_ids: Tensor, anchors: Tensor
     qs: list[Tensor] = []
     row_node = torch.tensor([-1], device=device)   # the node each drafting row stands for
     row_score = torch.zeros(1, device=device)
-    ids = step0_ids
+    ids = step0_ids[:, -1:]                        # replaced by the frontier's tokens below
     for k in range(spec.depth):
         if k > 0:   # the frontier's tokens, at position anchor + k + 1
             h = drafter.step(state, ids, torch.full_like(ids, t + k + 1), k)
@@ -242,10 +245,13 @@ def verify_sampling(logits: Tensor, d: Draft, d2t: Tensor, temperature: float,
 
 
 def _forward(target, ids: list[int], positions: Tensor, cache: DynamicCache, mask: Tensor | None,
-             hidden: bool, device: torch.device):
+             hidden: bool, device: torch.device, last_only: bool = False):
+    """The decoder body (filling `cache`), then the LM head on the rows that are needed: a
+    prefill needs only its last row (a 152k vocabulary over a whole prompt is large)."""
     out = target.model(input_ids=torch.tensor([ids], device=device), position_ids=positions[None],
                        attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=hidden)
-    return target.lm_head(out.last_hidden_state)[0], out.hidden_states
+    h = out.last_hidden_state[0, -1:] if last_only else out.last_hidden_state[0]
+    return target.lm_head(h), out.hidden_states
 
 
 def _append(tokens: list[int], new: list[int], max_new_tokens: int, eos_token_id: int | None) -> tuple[int, str | None]:
@@ -271,6 +277,10 @@ def speculative_generate(target, drafter: Drafter, input_ids: Tensor, max_new_to
         raise ValueError(f"speculative_generate: batch size 1 and max_new_tokens >= 1, got "
                          f"{input_ids.shape[0]} and {max_new_tokens}")
     spec = spec or DraftSpec()
+    if temperature > 0 and not spec.chain:
+        raise ValueError("speculative sampling is implemented for chains only (DraftSpec.topk == 1)")
+    if not spec.chain and "flash" in str(target.config._attn_implementation):
+        raise ValueError("tree verification needs a 4D attention mask: load the target with sdpa or eager")
     device = input_ids.device
     dtype = next(drafter.parameters()).dtype
     kv_layers = list(drafter.cfg.kv_layers)
@@ -280,7 +290,8 @@ def speculative_generate(target, drafter: Drafter, input_ids: Tensor, max_new_to
 
     cache = DynamicCache(config=target.config)
     n_past = len(seq)
-    logits, hidden = _forward(target, seq, torch.arange(n_past, device=device), cache, None, bool(aux_layers), device)
+    logits, hidden = _forward(target, seq, torch.arange(n_past, device=device), cache, None, bool(aux_layers), device,
+                              last_only=True)
     _, stop = _append(res.tokens, [_pick(logits[-1], temperature, generator)], max_new_tokens, eos_token_id)
     rows, lo = torch.arange(n_past, device=device), 0          # the new anchors' rows and first position
     state: StepState | None = None
@@ -296,7 +307,9 @@ def speculative_generate(target, drafter: Drafter, input_ids: Tensor, max_new_to
         t1 = _clock(device)
 
         positions = n_past + torch.tensor([0] + d.depths, device=device)
-        mask = tree_attention(d.parents, n_past, target.dtype, device)
+        chain = d.parents == list(range(-1, len(d.parents) - 1))
+        # a chain is plain causal attention: HF builds that mask itself (flash-attn works too)
+        mask = None if chain else tree_attention(d.parents, n_past, target.dtype, device)
         logits, hidden = _forward(target, [seq[n_past]] + d.tokens, positions, cache, mask, bool(aux_layers), device)
         if temperature > 0:
             path, bonus = verify_sampling(logits, d, drafter.d2t, temperature, generator)
@@ -329,7 +342,8 @@ def plain_generate(target, input_ids: Tensor, max_new_tokens: int, eos_token_id:
     start = _clock(device)
     cache = DynamicCache(config=target.config)
     n_past = input_ids.shape[1]
-    logits, _ = _forward(target, input_ids[0].tolist(), torch.arange(n_past, device=device), cache, None, False, device)
+    logits, _ = _forward(target, input_ids[0].tolist(), torch.arange(n_past, device=device), cache, None, False, device,
+                         last_only=True)
     _, stop = _append(res.tokens, [_pick(logits[-1], temperature, generator)], max_new_tokens, eos_token_id)
     res.prefill_s = _clock(device) - start
     while stop is None:

@@ -40,11 +40,11 @@ def variant_config(cfg: dict, name: str) -> dict:
     return v
 
 
-def draft_vocab(source: FeatureSource, size: int, vocab_size: int) -> torch.Tensor:
-    """The `size` most frequent assistant-side tokens of the train split (ties: lower id),
-    as sorted target ids (d2t)."""
+def draft_vocab(source: FeatureSource, size: int, vocab_size: int, samples: int | None = None) -> torch.Tensor:
+    """The `size` most frequent assistant-side tokens of the (first `samples`) train samples
+    (ties: lower id), as sorted target ids (d2t)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for i in range(len(source)):
+    for i in range(samples or len(source)):
         s = source.tokens(i)
         counts += torch.bincount(s["input_ids"][s["loss_mask"].bool()].long(), minlength=vocab_size)
     size = min(size, vocab_size)
@@ -190,7 +190,8 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     target = load_target(target_dir, rt)
     train_src, eval_src = open_features(train_dir, rt, model=target), open_features(eval_dir, rt, model=target)
     head_w = target.lm_head.weight.detach()
-    d2t = draft_vocab(train_src, dcfg["draft_vocab_size"], target.config.vocab_size)
+    n = min(len(train_src), tc.get("train_samples") or len(train_src))   # the data-scaling knob
+    d2t = draft_vocab(train_src, dcfg["draft_vocab_size"], target.config.vocab_size, n)
     model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), d2t).to(rt.device)
     missing = sorted(set(model.cfg.kv_layers) - set(train_src.spec.kv_layers))
     if missing:
@@ -221,7 +222,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
             print(f"ignoring {ckpt}: it was written for another config", flush=True)
     ddp = model if world == 1 else torch.nn.parallel.DistributedDataParallel(model)
 
-    n, bs = len(train_src), tc["batch_size"]
+    bs = tc["batch_size"]
     if bs % world:
         raise ConfigError(f"config: drafters.train.batch_size: {bs} is not divisible by {world} processes")
     start, tokens_seen = time.time(), 0
@@ -278,6 +279,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     bar.close()
     seconds = time.time() - start
     metrics = {"variant": name, "paradigm": v["paradigm"], "layers": v["layers"], "steps": progress["step"],
+               "train_samples": n,
                "resumed_from": progress["resumed_from"], "world_size": world, "train_seconds": seconds,
                "train_tokens_per_s": tokens_seen * world / max(seconds, 1e-9),
                "parameters": sum(p.numel() for p in params), "draft_vocab_size": len(d2t)}

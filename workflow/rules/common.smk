@@ -51,3 +51,8 @@ def train_launcher():
     if n == 1:
         return "python -m kvshot"
     return " ".join(["accelerate launch", *launcher_args(n), "-m kvshot"])
+
+
+def scaling_overlay(wildcards):
+    """The data-scaling sweep's one change: train on the first N captured samples."""
+    return json.dumps({"drafters": {"train": {"train_samples": int(wildcards.n)}}})

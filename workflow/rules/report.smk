@@ -7,7 +7,12 @@ rule report:
         e2e=expand("results/eval/{variant}/e2e.json", variant=VARIANTS),
         drafters=expand("results/drafters/{variant}", variant=VARIANTS),
     output:
-        tables=directory("results/tables"),
+        tables=report(
+            directory("results/tables"),
+            patterns=["{name}.csv"],
+            caption="../report/tables.rst",
+            category="Tables",
+        ),
         figures=report(
             expand("figures/{figure}.pdf", figure=FIGURES),
             caption="../report/figures.rst",

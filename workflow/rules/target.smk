@@ -35,7 +35,7 @@ rule target:
         bench_path("target")
     conda:
         CPU_ENV
-    threads: workflow.cores
+    threads: config["threads"]  # Snakemake caps it at --cores
     resources:
         mem_mb=8000,
         runtime=120,

@@ -23,3 +23,19 @@ def run_report(results: str, variants: list[str], tables_dir: str, figures_dir: 
     tmp.write_text(md)
     tmp.replace(claims_md)
     return {c["claim"]: c["verdict"] for c in claims}
+
+
+def run_scaling_report(results: str, sizes: list[int], variants: list[str], figure: str, table: str) -> dict:
+    """MAT against training-set size per variant, from results/scaling/n{N}/eval/*/stepwise.json."""
+    from .figures import scaling
+    from .tables import write_rows
+
+    rows = []
+    for n in sizes:
+        for v in load_variants(Path(results) / f"n{n}", variants, with_e2e=False, with_train=False):
+            rows.append({"train_samples": n, "variant": v.name, "paradigm": v.paradigm, "layers": v.layers,
+                         "MAT": v.stepwise["mat"], "MAT_lo": v.stepwise["mat_ci"][0], "MAT_hi": v.stepwise["mat_ci"][1],
+                         "alpha_0": v.stepwise["alpha"][0], "alpha_last": v.stepwise["alpha"][-1]})
+    write_rows(rows, table)
+    scaling(rows, figure)
+    return {f"{r['variant']}@{r['train_samples']}": round(r["MAT"], 3) for r in rows}

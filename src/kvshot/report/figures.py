@@ -154,4 +154,20 @@ def e2e(variants: list[Variant], path) -> None:
     _save(fig, path)
 
 
+def scaling(rows: list[dict], path) -> None:
+    """MAT against the number of drafter training samples, one line per variant."""
+    _style()
+    fig, ax = plt.subplots(figsize=(5.6, 3.8))
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        pts = sorted((r for r in rows if r["variant"] == name), key=lambda r: r["train_samples"])
+        xs, ys = [r["train_samples"] for r in pts], [r["MAT"] for r in pts]
+        ax.errorbar(xs, ys, yerr=_err(ys, [(r["MAT_lo"], r["MAT_hi"]) for r in pts]), marker="o", capsize=3, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("drafter training samples")
+    ax.set_ylabel("MAT (step-wise, chain)")
+    ax.set_title("Data scaling per paradigm")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
 FIGURES = {"decay": decay, "depth": depth, "gate": gate, "gradients": gradients, "query_error": query_error, "e2e": e2e}

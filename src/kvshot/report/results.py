@@ -41,7 +41,8 @@ def _nan(obj):
     return obj
 
 
-def load_variants(results: str | Path, names: list[str], with_e2e: bool = True) -> list[Variant]:
+def load_variants(results: str | Path, names: list[str], with_e2e: bool = True,
+                  with_train: bool = True) -> list[Variant]:
     results = Path(results)
     out = []
     for name in names:
@@ -51,7 +52,8 @@ def load_variants(results: str | Path, names: list[str], with_e2e: bool = True) 
         folder = results / "drafters" / name
         e2e_path = results / "eval" / name / "e2e.json"
         out.append(Variant(name=name, paradigm=sw["paradigm"], layers=sw["layers"], stepwise=sw,
-                           train=read_json(folder / "metrics.json"), log=read_json(folder / "train_log.json"),
+                           train=read_json(folder / "metrics.json") if with_train else {},
+                           log=read_json(folder / "train_log.json") if with_train else [],
                            e2e=read_json(e2e_path) if with_e2e and e2e_path.exists() else None))
     return out
 

@@ -111,3 +111,12 @@ def write_tables(variants: list[Variant], out_dir: str | Path) -> dict[str, list
             (tmp / f"{name}.md").write_text(_markdown(rows))
             (tmp / f"{name}.tex").write_text(_latex(rows))
     return tables
+
+
+def write_rows(rows: list[dict], path: str | Path) -> None:
+    """One CSV file, atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(_csv(rows))
+    tmp.replace(path)
