@@ -286,6 +286,31 @@ def test_chain_acceptance_equals_teacher_forced_unroll(world, variant):
     assert compared >= 10 and positive >= 2
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_stepwise_evaluation_agrees_with_the_decoder(world, variant):
+    """The step-wise evaluator's chain simulation (kvshot.stepwise, drafting on its own
+    outputs) predicts, for every anchor a decoding round starts from, exactly the number of
+    draft tokens the real decoder gets accepted there."""
+    from kvshot.stepwise import chain_correct
+
+    drafter = world["drafters"][variant]
+    items = [{"prompt": p, "continuation": reference(world, i, MAX_NEW + K + 2, eos=False)}
+             for i, p in enumerate(world["prompts"])]
+    per_seq = list(chain_correct(drafter, world["target"], items, world["aux"], K, 2, "cpu"))
+    compared = positive = 0
+    for i, (rows, chain_ok, _) in enumerate(per_seq):
+        lead = torch.cumprod(chain_ok.long(), dim=1).sum(1)      # accepted length per anchor
+        by_anchor = dict(zip(rows.tolist(), lead.tolist()))
+        t = len(world["prompts"][i]) - 1
+        for acc in full_run(world, variant, i, CHAIN).accepted:
+            if t in by_anchor:
+                assert acc == by_anchor[t], (variant, i, t)
+                compared += 1
+                positive += acc > 0
+            t += acc + 1
+    assert compared >= 10 and positive >= 2
+
+
 # ---------------------------------------------------------------- speculative sampling
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int]:

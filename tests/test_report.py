@@ -99,3 +99,18 @@ def test_overlapping_intervals_are_inconclusive(tmp_path):
     alphas["kv-d4"][6] = alphas["eagle3"][6] + 0.005
     write_results(tmp_path, alphas=alphas)
     assert report(tmp_path)["P1 long-range advantage"] == INCONCLUSIVE
+
+
+def test_readme_block_is_regenerated_from_results(tmp_path):
+    from kvshot.report import update_readme
+
+    write_results(tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\nbefore\n<!-- results:start -->\nstale\n<!-- results:end -->\nafter\n")
+    update_readme(str(tmp_path), NAMES, str(readme), str(tmp_path / "docs/decay.png"))
+    text = readme.read_text()
+    assert "stale" not in text and text.startswith("# x\n\nbefore\n") and text.endswith("after\n")
+    assert "| P1 long-range advantage |" in text and "**reproduced**" in text
+    assert (tmp_path / "docs/decay.png").read_bytes()[:4] == b"\x89PNG"
+    update_readme(str(tmp_path), NAMES, str(readme), str(tmp_path / "docs/decay.png"))
+    assert readme.read_text() == text

@@ -77,6 +77,13 @@ def _cmd_scaling_report(args, cfg) -> dict:
                               args.figure, args.table)
 
 
+def _cmd_readme(args, cfg) -> dict:
+    from .report import update_readme
+
+    update_readme(args.results, [v["name"] for v in cfg["drafters"]["variants"]], args.readme, args.image)
+    return {"readme": args.readme, "image": args.image}
+
+
 STAGES = {
     "prepare-data": (_cmd_prepare_data, ("data",)),
     "train-tokenizer": (_cmd_train_tokenizer, ("tokenizer",)),
@@ -88,6 +95,7 @@ STAGES = {
     "eval-e2e": (_cmd_eval_e2e, ("target", "drafters", "eval")),
     "report": (_cmd_report, ("drafters",)),
     "scaling-report": (_cmd_scaling_report, ("drafters", "scaling")),
+    "readme": (_cmd_readme, ("drafters",)),
 }
 
 
@@ -123,6 +131,10 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("eval-e2e", parents=[common])
     for name in ("drafter", "target", "continuations", "features-index", "out"):
         s.add_argument(f"--{name}", required=True)
+    s = sub.add_parser("readme", parents=[common], help="regenerate the README's results block")
+    s.add_argument("--results", default="results")
+    s.add_argument("--readme", default="README.md")
+    s.add_argument("--image", default="docs/decay.png")
     s = sub.add_parser("scaling-report", parents=[common])
     for name in ("results", "figure", "table"):
         s.add_argument(f"--{name}", required=True)

@@ -68,8 +68,28 @@ def _has_surrogate(s: str) -> bool:
         return True
 
 
+def _prompt_record(record: object) -> tuple[list[dict] | None, str | None]:
+    """Prompt-only benchmark suites (MT-Bench: {"prompt": [turn, ...], ...}): the first turn
+    as a user message, for evaluation prompts only."""
+    if not isinstance(record, dict):
+        return None, "wrong_type"
+    prompt = record.get("prompt")
+    if prompt is None:
+        return None, "missing_field"
+    first = prompt[0] if isinstance(prompt, list) and prompt else prompt
+    if not isinstance(first, str):
+        return None, "wrong_type"
+    if _has_surrogate(first):
+        return None, "non_utf8"
+    if not first.strip():
+        return None, "empty_turn"
+    return [{"role": "user", "content": first}], None
+
+
 def normalize_record(record: object, schema: str) -> tuple[list[dict] | None, str | None]:
     """Map one raw record to [{"role", "content"}, ...] or return (None, skip_reason)."""
+    if schema == "mtbench":
+        return _prompt_record(record)
     if schema not in _FIELDS:
         raise ValueError(f"unknown schema {schema!r}")
     list_key, role_key, content_key = _FIELDS[schema]

@@ -46,7 +46,7 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dir: str, target_dir: str, con
     ecfg = cfg["eval"]["e2e"]
     target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
     drafter = load_drafter(drafter_dir, rt.device).eval()
-    aux = tuple(read_json(features_index)["spec"]["aux_layers"]) if drafter.cfg.paradigm != "kv" else None
+    aux = tuple(read_json(features_index)["spec"]["aux_layers"]) if drafter.reads_aux_hidden else None
     cont = read_json(continuations)
     items = cont["items"][: ecfg["prompts"]]
     n_new, eos = ecfg["max_new_tokens"], cont["eos_id"]

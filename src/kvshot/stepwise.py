@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -19,13 +20,26 @@ from .target import target_forward
 from .ttt import unroll
 
 
-def eval_prompts(eval_jsonl: str | Path, tokenizer, n: int, max_prompt_len: int) -> list[list[int]]:
+def prompt_conversations(eval_jsonl: str | Path, n: int, sources: list[dict] | None = None) -> list[list[dict]]:
+    """Held-out conversations from the eval split, or public suites through `datasets`
+    (e.g. MT-Bench prompts, schema `mtbench`) when eval.prompt_sources is set."""
+    if not sources:
+        return [c["messages"] for c in read_jsonl(eval_jsonl)[:n]]
+    from .data import load_sources
+
+    convs: list[list[dict]] = []
+    stats: list = []
+    for src in sources:
+        convs += load_sources([src], stats)[: n - len(convs)]
+    return convs
+
+
+def eval_prompts(conversations: list[list[dict]], tokenizer, max_prompt_len: int) -> list[list[int]]:
     """The conversation up to its first assistant turn, with the generation prompt; long
     prompts keep their end (the part next to the answer)."""
     prompts = []
-    for conv in read_jsonl(eval_jsonl)[:n]:
-        msgs = conv["messages"]
-        first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+    for msgs in conversations:
+        first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
         ids = tokenizer.encode(render_chat(msgs[:first], add_generation_prompt=True), add_special_tokens=False)
         prompts.append(ids[-max_prompt_len:])
     return prompts
@@ -50,7 +64,8 @@ def run_continuations_stage(cfg: dict, rt: Runtime, eval_jsonl: str, target_dir:
     ecfg = cfg["eval"]
     target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
     tokenizer = load_tokenizer(target_dir)
-    prompts = eval_prompts(eval_jsonl, tokenizer, ecfg["prompts"], ecfg["max_prompt_len"])
+    convs = prompt_conversations(eval_jsonl, ecfg["prompts"], ecfg.get("prompt_sources"))
+    prompts = eval_prompts(convs, tokenizer, ecfg["max_prompt_len"])
     start = time.time()
     items = greedy_continuations(target, tokenizer, prompts, ecfg["max_new_tokens"], rt.device)
     result = {"target": target_dir, "max_new_tokens": ecfg["max_new_tokens"], "eos_id": tokenizer.eos_token_id,
@@ -66,15 +81,14 @@ def chain_rows(prompt_len: int, length: int, steps: int) -> range:
 
 
 @torch.no_grad()
-def stepwise(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
-             batch_size: int, device: str, bootstrap_samples: int = 1000, seed: int = 0) -> dict:
-    """Exact greedy chain drafting from every anchor of the target's continuations, batched
-    over anchors and sequences: draft K tokens on the drafter's own outputs and compare each
-    with the target's greedy token at that position."""
+def chain_correct(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
+                  batch_size: int, device: str) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """Per sequence: the chain anchors (`chain_rows`), and for each anchor and step whether the
+    drafter's token equals the target's greedy token, drafting on its own outputs (chain) and
+    teacher-forced. Batched over anchors and sequences: no loop per position."""
     drafter.eval()
     kv_layers = tuple(drafter.cfg.kv_layers)
     head = target.lm_head.weight
-    reached_seq, accepted_seq, tf_correct, tf_total = [], [], torch.zeros(steps), torch.zeros(steps)
     for i in tqdm(range(0, len(items), batch_size), desc="stepwise", mininterval=5):
         group = items[i: i + batch_size]
         seqs = [torch.tensor(it["prompt"] + it["continuation"]) for it in group]
@@ -89,21 +103,32 @@ def stepwise(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int,
         forced = unroll(drafter, feats, steps)
         for b, it in enumerate(group):
             rows = torch.tensor(list(chain_rows(len(it["prompt"]), len(seqs[b]), steps)), dtype=torch.long)
-            if len(rows) == 0:
-                continue
             want = torch.stack([greedy[b, rows + k + 1] for k in range(steps)], dim=1)
             drafted = torch.stack([drafter.d2t[chain.logits[k][b, rows].argmax(-1)] for k in range(steps)], dim=1)
-            r, a = chain_counts(drafted == want)
-            reached_seq.append(r)
-            accepted_seq.append(a)
             tf = torch.stack([drafter.d2t[forced.logits[k][b, rows].argmax(-1)] for k in range(steps)], dim=1)
-            tf_correct += (tf == want).sum(0).float()
-            tf_total += len(rows)
+            yield rows, drafted == want, tf == want
+
+
+def stepwise(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
+             batch_size: int, device: str, bootstrap_samples: int = 1000, seed: int = 0) -> dict:
+    """Exact greedy chain drafting from every anchor of the target's continuations: alpha_k,
+    acc_k, MAT, retention, with intervals that resample whole sequences."""
+    reached_seq, accepted_seq, tf_correct, tf_total = [], [], torch.zeros(steps), 0
+    for rows, chain_ok, forced_ok in chain_correct(drafter, target, items, aux_layers, steps, batch_size, device):
+        if len(rows) == 0:
+            continue
+        r, a = chain_counts(chain_ok)
+        reached_seq.append(r)
+        accepted_seq.append(a)
+        tf_correct += forced_ok.sum(0).float()
+        tf_total += len(rows)
+    if not reached_seq:
+        raise ValueError(f"no continuation is longer than {steps} tokens: nothing to evaluate")
     reached, accepted = torch.stack(reached_seq), torch.stack(accepted_seq)
     alphas = alpha(reached.sum(0), accepted.sum(0))
     result = {
         "alpha": alphas,
-        "acc": (tf_correct / tf_total.clamp(min=1)).tolist(),
+        "acc": (tf_correct / max(tf_total, 1)).tolist(),
         "acc_note": "unconditional teacher-forced top-1 accuracy per step (acc_k), not alpha_k",
         "mat": mat(alphas),
         "retention": retention(alphas),

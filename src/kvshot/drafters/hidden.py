@@ -14,6 +14,7 @@ def extend(old: Tensor | None, new: Tensor, dim: int) -> Tensor:
 
 class HiddenDrafter(Drafter):
     paradigm = "hidden"
+    reads_aux_hidden = True
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__(cfg)

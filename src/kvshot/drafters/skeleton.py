@@ -188,6 +188,7 @@ class Drafter(nn.Module):
     A paradigm subclass says how the target's context enters (`begin`, `step`)."""
 
     paradigm = "base"
+    reads_aux_hidden = False   # whether `begin` needs the target's aux hidden states
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()

@@ -39,3 +39,31 @@ def run_scaling_report(results: str, sizes: list[int], variants: list[str], figu
     write_rows(rows, table)
     scaling(rows, figure)
     return {f"{r['variant']}@{r['train_samples']}": round(r["MAT"], 3) for r in rows}
+
+
+README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def update_readme(results: str, variants: list[str], readme: str, image: str) -> None:
+    """Regenerate the README's results block (decay figure as PNG, step-wise table, claims)
+    from the result files, between the two marker comments."""
+    from .figures import decay
+    from .tables import _markdown, e2e_rows, stepwise_rows
+
+    loaded = load_variants(results, variants)
+    decay(loaded, image)
+    claims = evaluate_claims(loaded)
+    rel = Path(image).relative_to(Path(readme).parent) if Path(image).is_absolute() else Path(image)
+    block = "\n".join([README_START, "", f"![alpha_k by draft step]({rel.as_posix()})", "",
+                        "Step-wise acceptance (`results/tables/stepwise.md`):", "", _markdown(stepwise_rows(loaded)),
+                        "End-to-end decoding (`results/tables/e2e.md`):", "", _markdown(e2e_rows(loaded)),
+                        claims_markdown(claims).replace("# Claims verdict", "Claims verdict (`results/claims.md`):"),
+                        README_END])
+    text = Path(readme).read_text()
+    if README_START not in text or README_END not in text:
+        raise ValueError(f"{readme}: missing the {README_START} / {README_END} markers")
+    head, rest = text.split(README_START, 1)
+    tail = rest.split(README_END, 1)[1]
+    tmp = Path(readme).with_suffix(".md.tmp")
+    tmp.write_text(head + block + tail)
+    tmp.replace(readme)

@@ -23,10 +23,10 @@ def _style():
 def _save(fig, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".pdf")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
     os.close(fd)
     try:
-        fig.savefig(tmp, bbox_inches="tight")
+        fig.savefig(tmp, bbox_inches="tight", dpi=110)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
