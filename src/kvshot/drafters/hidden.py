@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .skeleton import DecoderLayer, Drafter, DrafterConfig, Keys, RMSNorm, StepState
+from .skeleton import DecoderLayer, Drafter, DrafterConfig, Keys, RMSNorm, Rotary, StepState
 
 
 def extend(old: Tensor | None, new: Tensor, dim: int) -> Tensor:
@@ -35,9 +35,9 @@ class HiddenDrafter(Drafter):
                          hidden=self.fc(ctx["aux_hidden"].flatten(-2)), extra={"valid": ctx.get("anchor_valid")})
 
     def self_attention(self, state: StepState, slot: int, layer: DecoderLayer, x: Tensor,
-                       positions: Tensor, k: int, valid: Tensor | None) -> Tensor:
+                       rot: Rotary, k: int, valid: Tensor | None) -> Tensor:
         """Step 0's keys join the prefix (this round's anchors); later steps add diagonals."""
-        q, keys = layer.self_attn.project(layer.attn_norm(x), positions)
+        q, keys = layer.self_attn.project(layer.attn_norm(x), rot)
         if k == 0:
             old = state.prefix[slot]
             state.prefix[slot] = keys if old is None else Keys(torch.cat([old.k, keys.k], 2), torch.cat([old.v, keys.v], 2))
@@ -54,16 +54,16 @@ class HiddenDrafter(Drafter):
             state.diag[slot].append(keys)
         return layer.self_attn.attend(q, state.prefix[slot], state.visible(slot), state.diag[slot])
 
-    def hidden_layer(self, state: StepState, i: int, emb: Tensor, h: Tensor, positions: Tensor, k: int) -> Tensor:
+    def hidden_layer(self, state: StepState, i: int, emb: Tensor, h: Tensor, rot: Rotary, k: int) -> Tensor:
         layer = self.layers[i]
         x = torch.cat([self.input_norm(emb), self.hidden_norm(h)], dim=-1) if i == 0 else h
-        h = h + self.self_attention(state, i, layer, x, positions, k, state.extra.get("valid"))
+        h = h + self.self_attention(state, i, layer, x, rot, k, state.extra.get("valid"))
         return layer.mlp_block(h)
 
     def step(self, state: StepState, input_ids: Tensor, positions: Tensor, k: int) -> Tensor:
-        emb = self.embed_tokens(input_ids)
+        emb, rot = self.embed_tokens(input_ids), self.rotary(positions)
         h = state.hidden
         for i in range(len(self.layers)):
-            h = self.hidden_layer(state, i, emb, h, positions, k)
+            h = self.hidden_layer(state, i, emb, h, rot, k)
         state.hidden = h
         return h

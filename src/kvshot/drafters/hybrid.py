@@ -38,13 +38,13 @@ class HybridDrafter(HiddenDrafter):
         return kv_state(ctx, anchors, self.cfg.kv_layers, state, first_slot=n)
 
     def step(self, state: StepState, input_ids: Tensor, positions: Tensor, k: int) -> Tensor:
-        emb = self.embed_tokens(input_ids)
+        emb, rot = self.embed_tokens(input_ids), self.rotary(positions)
         h = state.hidden
         gates = self.gate()
         n = len(self.layers)
         for i in range(n):
-            h = self.hidden_layer(state, i, emb, h, positions, k)
-            delta = kv_attention(state, n + i, self.kv_attns[i], self.kv_norms[i](h), positions)
+            h = self.hidden_layer(state, i, emb, h, rot, k)
+            delta = kv_attention(state, n + i, self.kv_attns[i], self.kv_norms[i](h), rot)
             h = h + gates[i] * delta
         state.hidden = h
         return h

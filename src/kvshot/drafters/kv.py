@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .skeleton import Attention, DecoderLayer, Drafter, DrafterConfig, Keys, StepState
+from .skeleton import Attention, DecoderLayer, Drafter, DrafterConfig, Keys, Rotary, StepState
 
 
 def target_prefix(ctx: dict[str, Tensor], layer: int) -> Keys:
@@ -33,9 +33,9 @@ def kv_state(ctx: dict[str, Tensor], anchors: Tensor, kv_layers: list[int], stat
     return state
 
 
-def kv_attention(state: StepState, slot: int, attn: Attention, x: Tensor, positions: Tensor) -> Tensor:
+def kv_attention(state: StepState, slot: int, attn: Attention, x: Tensor, rot: Rotary) -> Tensor:
     """Every step's own keys are diagonals: the prefix is the target's, never the drafter's."""
-    q, keys = attn.project(x, positions)
+    q, keys = attn.project(x, rot)
     state.diag[slot].append(keys)
     return attn.attend(q, state.prefix[slot], state.visible(slot), state.diag[slot])
 
@@ -51,9 +51,9 @@ class KVDrafter(Drafter):
         return kv_state(ctx, anchors, self.cfg.kv_layers)
 
     def step(self, state: StepState, input_ids: Tensor, positions: Tensor, k: int) -> Tensor:
-        h = self.embed_tokens(input_ids)
+        h, rot = self.embed_tokens(input_ids), self.rotary(positions)
         for i, layer in enumerate(self.layers):
-            h = h + kv_attention(state, i, layer.self_attn, layer.attn_norm(h), positions)
+            h = h + kv_attention(state, i, layer.self_attn, layer.attn_norm(h), rot)
             h = layer.mlp_block(h)
         return h
 

@@ -63,15 +63,26 @@ class RMSNorm(nn.Module):
         return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
 
 
-def rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Rotate x [B, H, T, D] at positions [B, T]; the rotate-half form Qwen3 uses."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+@dataclass
+class Rotary:
+    """cos/sin tables [B, 1, T, D] for one step's positions, computed once for every layer."""
+
+    cos: Tensor
+    sin: Tensor
+
+
+def rotary(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> Rotary:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     angles = positions.to(torch.float32)[..., None] * inv_freq          # [B, T, D/2]
     emb = torch.cat([angles, angles], dim=-1)[:, None]                  # [B, 1, T, D]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    return Rotary(emb.cos().to(dtype), emb.sin().to(dtype))
+
+
+def rope(x: Tensor, rot: Rotary) -> Tensor:
+    """Rotate x [B, H, T, D]; the rotate-half form Qwen3 uses."""
+    d = x.shape[-1]
     rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
-    return x * cos + rotated * sin
+    return x * rot.cos + rotated * rot.sin
 
 
 class SwiGLU(nn.Module):
@@ -108,13 +119,13 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.last_query: Tensor | None = None   # pre-RoPE normed query, for the query-error diagnostic
 
-    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Keys]:
+    def project(self, x: Tensor, rot: Rotary) -> tuple[Tensor, Keys]:
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         self.last_query = q
-        return rope(q, positions, self.theta), Keys(rope(k, positions, self.theta), v)
+        return rope(q, rot), Keys(rope(k, rot), v)
 
     def attend(self, q: Tensor, prefix: Keys, prefix_visible: Tensor, diag: list[Keys]) -> Tensor:
         """q [B, H, Tq, D]; prefix keys [B, Hkv, Tp, D] visible where prefix_visible [B, Tq, Tp];
@@ -226,6 +237,9 @@ class Drafter(nn.Module):
         from ..ttt import unroll
 
         return unroll(self, batch, steps, keep_queries)
+
+    def rotary(self, positions: Tensor) -> Rotary:
+        return rotary(positions, self.cfg.head_dim, self.cfg.rope_theta, self.embed_tokens.weight.dtype)
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(hidden))

@@ -1,0 +1,83 @@
+"""Feature capture against the target forward alone, in one run.
+
+Capture = the same batched forward with hidden states and cache kept, split per sample and
+written to safetensors shards; the baseline = the target's decoder forward alone on the same
+batches. Targets: capture overhead at most 10%; bytes per token equal to the sum of what is
+stored (no padding waste). Prints the ratios last; exits non-zero when a target is missed.
+
+    python benchmarks/features.py [--target results/target/model] [--split results/data/eval.jsonl]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvshot.config import read_config, runtime
+from kvshot.features import capture_split, length_batches, pad_batch, tokenize_split
+from kvshot.target import load_target
+from kvshot.tokenizer import load_tokenizer
+
+OVERHEAD_TARGET = 1.10
+
+
+def forward_only(model, samples, groups, pad_id) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        for group in groups:
+            batch = pad_batch([samples[i] for i in group], pad_id)
+            model.model(input_ids=batch["input_ids"].long(), attention_mask=batch["attention_mask"], use_cache=False)
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", action="append", default=None)
+    ap.add_argument("--target", default="results/target/model")
+    ap.add_argument("--split", default="results/data/eval.jsonl")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    cfg = read_config(args.config or ["config/config.yaml"])
+    rt = runtime(cfg)
+    model = load_target(args.target, rt)
+    tok = load_tokenizer(args.target)
+    fcfg = cfg["features"]
+    samples = tokenize_split(args.split, tok, fcfg.get("max_len") or cfg["data"]["max_len"])[: fcfg.get("max_samples")]
+    groups = length_batches([s["input_ids"].shape[0] for s in samples], fcfg["batch_tokens"])
+    forward_only(model, samples, groups[:2], tok.pad_token_id)            # warm-up
+    base, capture, summary = [], [], {}
+    for _ in range(args.repeats):   # interleaved, medians: the two see the same machine state
+        base.append(forward_only(model, samples, groups, tok.pad_token_id))
+        with tempfile.TemporaryDirectory() as tmp:
+            start = time.perf_counter()
+            summary = capture_split(cfg, rt, args.split, args.target, str(Path(tmp) / "f"))
+            capture.append(time.perf_counter() - start)
+    # capture_split also loads the model and tokenizes: time that part and take it out
+    start = time.perf_counter()
+    load_target(args.target, rt)
+    load_tokenizer(args.target)
+    tokenize_split(args.split, tok, fcfg.get("max_len") or cfg["data"]["max_len"])
+    setup = time.perf_counter() - start
+    b, c = statistics.median(base), statistics.median(capture) - setup
+    parts = sum(summary["bytes_per_token_by_tensor"].values())
+    out = {"forward_seconds": b, "capture_seconds": c, "setup_seconds": setup, "overhead": c / b,
+           "bytes_per_token": summary["bytes_per_token"], "sum_of_parts": parts, "tokens": summary["tokens"],
+           "device": rt.device, "threads": torch.get_num_threads()}
+    Path("results/benchmarks").mkdir(parents=True, exist_ok=True)
+    Path("results/benchmarks/features.json").write_text(json.dumps(out, indent=2))
+    ok = c / b <= OVERHEAD_TARGET and abs(summary["bytes_per_token"] - parts) < 1e-9
+    print(f"tokens {summary['tokens']}  forward {b:.2f}s  capture {c:.2f}s (setup {setup:.2f}s removed)")
+    print(f"capture/forward = {c / b:.3f} (target <= {OVERHEAD_TARGET})  bytes/token {summary['bytes_per_token']:.1f}"
+          f" / sum of parts {parts:.1f} = {summary['bytes_per_token'] / parts:.3f} (target 1.000)  "
+          f"{'OK' if ok else 'MISSED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
