@@ -28,7 +28,7 @@ def test_paper_config_is_the_paper_setup():
     assert cfg["dtype"] == "bfloat16" and cfg["features"]["mode"] == "online"
     names = {s["name"] for s in cfg["data"]["sources"]}
     assert names == {"Aeala/ShareGPT_Vicuna_unfiltered", "HuggingFaceH4/ultrachat_200k"}
-    assert cfg["data"]["train_samples"] == 70000
+    assert cfg["data"]["train_samples"] == 280000 and cfg["scaling"]["train_samples"] == [70000, 140000, 280000]
 
 
 def _overlay(tmp_path, text: str) -> str:
