@@ -22,6 +22,7 @@ def small_cfg(tiny, **train) -> dict:
     cfg = copy.deepcopy(tiny["cfg"])
     cfg["drafters"]["variants"] = [{"name": "hyb", "paradigm": "hybrid", "layers": 1},
                                    {"name": "kv2", "paradigm": "kv", "layers": 2}]
+    cfg["scaling"]["variants"] = ["kv2"]
     cfg["drafters"]["train"].update({"max_steps": 6, "ckpt_every": 2, "batch_size": 2, "max_len": 48,
                                      "eval_batches": 1, **train})
     return cfg
