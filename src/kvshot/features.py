@@ -49,7 +49,8 @@ def context_to_samples(ctx, lengths: list[int], spec: FeatureSpec) -> list[dict[
         for l in spec.kv_layers:
             item[f"key_{l}"] = ctx.keys[l][b, :n]
             item[f"value_{l}"] = ctx.values[l][b, :n]
-        out.append({k: v.to(device="cpu", dtype=dtype).contiguous() for k, v in item.items()})
+        # views: the shard writer's torch.cat makes the one copy
+        out.append({k: v.to(device="cpu", dtype=dtype) for k, v in item.items()})
     return out
 
 
