@@ -1,0 +1,97 @@
+"""Speculative decoding against what theory predicts, in one run.
+
+For each drafter, chain drafting (K steps) and plain decoding run on the same prompts in the
+same harness. From that run: the per-step acceptance alpha_k (rounds that reached step k and
+accepted it), the draft/target cost ratio c (drafting time per draft step over the plain
+decoder's time per token), and the measured speedup (plain time / speculative time for the
+same tokens). Theory (Leviathan et al. 2023, per-step alphas): speedup = MAT / (K c + 1),
+MAT = 1 + sum_k prod_{j<=k} alpha_j. Target: measured >= 0.85 x predicted for chain drafting.
+Prints the ratios last; exits non-zero when the target is missed.
+
+    python benchmarks/decode.py [--variants eagle3 kv-d2] [--prompts 8] [--max-new 64]
+
+Needs a finished default run (results/target/model, results/drafters/*, results/eval/continuations.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from kvshot.config import read_config, runtime
+from kvshot.decode import DraftSpec, plain_generate, speculative_generate
+from kvshot.drafters import load_drafter
+from kvshot.io import read_json
+from kvshot.metrics import mat
+from kvshot.target import load_target
+
+RATIO_TARGET = 0.85
+
+
+def alphas_from_rounds(accepted: list[int], steps: int) -> list[float]:
+    """alpha_k from chain rounds: a round that accepted a tokens reached steps 0..a (capped)."""
+    reached = [sum(1 for a in accepted if a >= k) for k in range(steps)]
+    took = [sum(1 for a in accepted if a > k) for k in range(steps)]
+    return [t / r if r else float("nan") for t, r in zip(took, reached)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", action="append", default=None)
+    ap.add_argument("--results", default="results")
+    ap.add_argument("--variants", nargs="*", default=None)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new", type=int, default=64)
+    args = ap.parse_args()
+    cfg = read_config(args.config or ["config/config.yaml"])
+    rt = runtime(cfg)
+    res = Path(args.results)
+    target = load_target(res / "target/model", rt)
+    cont = read_json(res / "eval/continuations.json")
+    items, eos = cont["items"][: args.prompts], cont["eos_id"]
+    aux = tuple(read_json(res / "features/eval/index.json")["spec"]["aux_layers"])
+    steps = cfg["drafters"]["ttt_steps"]
+    names = args.variants or [v["name"] for v in cfg["drafters"]["variants"]]
+    prompts = [torch.tensor([it["prompt"]]) for it in items]
+    plain_generate(target, prompts[0], 8, eos)                                   # warm-up
+    plain = [plain_generate(target, p, args.max_new, eos) for p in prompts]
+    t_token = sum(r.total_s - r.prefill_s for r in plain) / sum(len(r.tokens) - 1 for r in plain)
+    rows, ok = [], True
+    for name in names:
+        drafter = load_drafter(res / "drafters" / name).eval()
+        a = aux if drafter.reads_aux_hidden else None
+        spec = DraftSpec(depth=steps, topk=1)
+        speculative_generate(target, drafter, prompts[0], 8, eos, a, spec)          # warm-up
+        runs = [speculative_generate(target, drafter, p, args.max_new, eos, a, spec) for p in prompts]
+        assert all(r.tokens == b.tokens for r, b in zip(runs, plain)), f"{name}: not lossless"
+        accepted = [x for r in runs for x in r.accepted]
+        alphas = alphas_from_rounds(accepted, steps)
+        rounds = sum(r.rounds for r in runs)
+        c = sum(r.draft_s for r in runs) / (rounds * steps) / t_token
+        predicted = mat(alphas) / (steps * c + 1)
+        # same tokens, after the prefill both share: plain time over speculative time
+        measured = sum(b.total_s - b.prefill_s for b in plain) / sum(r.total_s - r.prefill_s for r in runs)
+        verify_ratio = sum(r.verify_s for r in runs) / rounds / t_token
+        rows.append({"variant": name, "alpha": alphas, "mat": mat(alphas), "cost_ratio": c,
+                     "verify_over_token": verify_ratio, "predicted_speedup": predicted,
+                     "measured_speedup": measured, "ratio": measured / predicted, "rounds": rounds})
+        ok &= measured / predicted >= RATIO_TARGET
+    out = {"seconds_per_target_token": t_token, "prompts": len(items), "max_new_tokens": args.max_new,
+           "steps": steps, "device": rt.device, "threads": torch.get_num_threads(), "rows": rows}
+    Path(res, "benchmarks").mkdir(parents=True, exist_ok=True)
+    Path(res, "benchmarks/decode.json").write_text(json.dumps(out, indent=2))
+    print(f"plain decoding {1e3 * t_token:.2f} ms/token; chain K = {steps}; {len(items)} prompts x {args.max_new} tokens")
+    print(f"{'variant':8s} {'MAT':>6s} {'c':>6s} {'verify/tok':>10s} {'predicted':>9s} {'measured':>9s}")
+    for r in rows:
+        print(f"{r['variant']:8s} {r['mat']:6.3f} {r['cost_ratio']:6.3f} {r['verify_over_token']:10.2f} "
+              f"{r['predicted_speedup']:9.3f} {r['measured_speedup']:9.3f}")
+    print("measured / predicted speedup (chain): " + ", ".join(f"{r['variant']} {r['ratio']:.2f}" for r in rows)
+          + f" (target >= {RATIO_TARGET})  {'OK' if ok else 'MISSED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
