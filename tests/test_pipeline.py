@@ -110,6 +110,16 @@ def test_scaling_sweep_is_its_own_target(tmp_path):
     assert "results/scaling/n70000/drafters/kv-d4" in out
 
 
+def test_paper_dag_through_the_slurm_profile_dry_runs_with_gpu_resources(tmp_path):
+    wd = workdir(tmp_path)
+    proc = snakemake(wd, "-n", "-p", "--profile", "workflow/profiles/slurm", "--configfile", "config/paper.yaml")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "warning" not in out.lower(), out[-3000:]
+    blocks = [b for b in re.split(r"\n(?=\[)", out) if "rule train_drafter:" in b]
+    assert len(blocks) == 5 and all("gpu=8" in b and "slurm_partition=gpu" in b for b in blocks)
+    assert out.count("accelerate launch --multi_gpu --num_processes 8") == 5   # DDP over the job's 8 GPUs
+
+
 def test_lint_is_clean(tmp_path):
     proc = snakemake(workdir(tmp_path), "--lint")
     assert proc.returncode == 0 and "Congratulations" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
