@@ -19,7 +19,7 @@ from .drafters import Drafter, DrafterConfig, build_drafter
 from .features import FeatureSource, open_features
 from .io import read_json, write_json
 from .target import load_target, lr_at, rope_theta, target_queries
-from .ttt import Unrolled, shift, step_losses, target_labels, unroll, weighted_loss, query_cosine
+from .ttt import Unrolled, query_cosine, scored_tokens, step_losses, target_labels, unroll, weighted_loss
 
 
 def launcher_args(num_processes: int) -> list[str]:
@@ -238,8 +238,6 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
         ids = order[progress["cursor"]: progress["cursor"] + bs].tolist()[rank::world]
         batch = {k: t.to(rt.device) for k, t in _truncate(train_src.batch(ids), tc["max_len"]).items()}
         labels = target_labels(batch["last_hidden"], head_w, model.d2t)
-        from .ttt import scored_tokens
-
         local = torch.tensor([float(scored_tokens(batch, labels, model.t2d, k)[1].sum()) for k in range(steps_k)])
         denominators = (accel.reduce(local.to(accel.device), "sum").cpu().clamp(min=1) / world).tolist()
         un: Unrolled = ddp(batch, steps_k)
