@@ -106,41 +106,30 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--config", action="append", required=True,
                         help="config file or inline JSON; repeat to overlay (later wins)")
     common.add_argument("--threads", type=int, default=None, help="torch threads (default: config `threads`)")
-    s = sub.add_parser("prepare-data", parents=[common])
-    s.add_argument("--out", required=True)
-    s.add_argument("--train-samples", type=int, default=None, help="override data.train_samples (scaling sweeps)")
-    s = sub.add_parser("train-tokenizer", parents=[common])
-    s.add_argument("--train", required=True)
-    s.add_argument("--out", required=True)
-    s = sub.add_parser("target", parents=[common])
-    for name in ("train", "eval", "tokenizer", "out", "metrics"):
-        s.add_argument(f"--{name}", required=True)
-    s = sub.add_parser("capture-features", parents=[common])
-    for name in ("split", "target", "out"):
-        s.add_argument(f"--{name}", required=True)
-    s = sub.add_parser("train-drafter", parents=[common])
-    s.add_argument("--variant", required=True)
-    for name in ("train-features", "eval-features", "target", "out"):
-        s.add_argument(f"--{name}", required=True)
-    s = sub.add_parser("target-continuations", parents=[common])
-    for name in ("eval", "target", "out"):
-        s.add_argument(f"--{name}", required=True)
-    s = sub.add_parser("eval-stepwise", parents=[common])
-    for name in ("drafter", "target", "continuations", "features-index", "out"):
-        s.add_argument(f"--{name}", required=True)
-    s = sub.add_parser("eval-e2e", parents=[common])
-    for name in ("drafter", "target", "continuations", "features-index", "out"):
-        s.add_argument(f"--{name}", required=True)
+    # the path arguments each stage takes (all required)
+    paths = {
+        "prepare-data": ("out",),
+        "train-tokenizer": ("train", "out"),
+        "target": ("train", "eval", "tokenizer", "out", "metrics"),
+        "capture-features": ("split", "target", "out"),
+        "train-drafter": ("variant", "train-features", "eval-features", "target", "out"),
+        "target-continuations": ("eval", "target", "out"),
+        "eval-stepwise": ("drafter", "target", "continuations", "features-index", "out"),
+        "eval-e2e": ("drafter", "target", "continuations", "features-index", "out"),
+        "scaling-report": ("results", "figure", "table"),
+        "report": ("results", "tables", "figures", "claims-md", "claims-json"),
+    }
+    for stage, names in paths.items():
+        s = sub.add_parser(stage, parents=[common])
+        for name in names:
+            s.add_argument(f"--{name}", required=True)
+        if stage == "prepare-data":
+            s.add_argument("--train-samples", type=int, default=None,
+                           help="override data.train_samples (scaling sweeps)")
     s = sub.add_parser("readme", parents=[common], help="regenerate the README's results block")
     s.add_argument("--results", default="results")
     s.add_argument("--readme", default="README.md")
     s.add_argument("--image", default="docs/decay.png")
-    s = sub.add_parser("scaling-report", parents=[common])
-    for name in ("results", "figure", "table"):
-        s.add_argument(f"--{name}", required=True)
-    s = sub.add_parser("report", parents=[common])
-    for name in ("results", "tables", "figures", "claims-md", "claims-json"):
-        s.add_argument(f"--{name}", required=True)
     return p
 
 

@@ -21,20 +21,22 @@ def _finite(obj):
     return obj
 
 
-def write_json(path: str | Path, obj) -> None:
-    obj = _finite(obj)
+def write_text(path: str | Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=2, allow_nan=False)
-            fh.write("\n")
+            fh.write(text)
         os.chmod(tmp, 0o644)  # mkstemp makes 0600 files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json(path: str | Path, obj) -> None:
+    write_text(path, json.dumps(_finite(obj), indent=2, allow_nan=False) + "\n")
 
 
 def read_json(path: str | Path):

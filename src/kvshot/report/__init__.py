@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..io import write_json
+from ..io import write_json, write_text
 from .claims import claims_markdown, evaluate_claims
 from .figures import FIGURES
 from .results import load_variants
@@ -18,10 +18,7 @@ def run_report(results: str, variants: list[str], tables_dir: str, figures_dir: 
         FIGURES[name](loaded, Path(figures_dir) / f"{name}.pdf")
     claims = evaluate_claims(loaded)
     write_json(claims_json, claims)
-    md = claims_markdown(claims)
-    tmp = Path(claims_md).with_suffix(".md.tmp")
-    tmp.write_text(md)
-    tmp.replace(claims_md)
+    write_text(claims_md, claims_markdown(claims))
     return {c["claim"]: c["verdict"] for c in claims}
 
 
@@ -64,6 +61,4 @@ def update_readme(results: str, variants: list[str], readme: str, image: str) ->
         raise ValueError(f"{readme}: missing the {README_START} / {README_END} markers")
     head, rest = text.split(README_START, 1)
     tail = rest.split(README_END, 1)[1]
-    tmp = Path(readme).with_suffix(".md.tmp")
-    tmp.write_text(head + block + tail)
-    tmp.replace(readme)
+    write_text(readme, head + block + tail)

@@ -5,7 +5,7 @@ import csv
 import io
 from pathlib import Path
 
-from ..io import atomic_dir
+from ..io import atomic_dir, write_text
 from .results import PAPER, Variant, roles
 
 
@@ -115,8 +115,4 @@ def write_tables(variants: list[Variant], out_dir: str | Path) -> dict[str, list
 
 def write_rows(rows: list[dict], path: str | Path) -> None:
     """One CSV file, atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(_csv(rows))
-    tmp.replace(path)
+    write_text(path, _csv(rows))
