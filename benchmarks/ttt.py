@@ -11,7 +11,10 @@ measured in the same run.
 Targets: >= 2x the reference's tokens/s for every paradigm; >= 40% of the matmul peak for
 the hidden-only drafter. Prints the ratios last; exits non-zero when a target is missed.
 
-    python benchmarks/ttt.py [--config config/config.yaml] [--iters 3]
+    python benchmarks/ttt.py [--config config/config.yaml] [--batches 4] [--iters 2] [--threads N]
+
+With a finished default run it times the trainer's first batches of the real captured features
+(user turns carry no label); otherwise random tokens with every position labelled.
 """
 from __future__ import annotations
 
@@ -30,22 +33,23 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from kvshot.config import read_config, runtime
 from kvshot.drafters.skeleton import Attention
-from kvshot.target import build_target, target_forward
+from kvshot.features import open_features
+from kvshot.target import build_target, load_target, target_forward
 from kvshot.train import build_variant
 from kvshot.ttt import shift, step_losses, target_labels, unroll, weighted_loss
 
 SPEEDUP_TARGET, PEAK_SHARE_TARGET = 2.0, 0.40
 
 
-def reference_attend(self, q, prefix, prefix_visible, diag):
-    """EAGLE-3's attention over its per-step cache: the causal block, then one explicit
-    term per earlier step's diagonal key, each its own op."""
+def reference_attend(self, q, prefix, mask, diag):
+    """EAGLE-3's attention over its per-step cache: q @ k0^T over every prefix key plus the
+    precomputed additive mask, then one explicit term per earlier step's diagonal key, each
+    its own op, and the output as the matching sum."""
     b, h, tq, d = q.shape
     group = h // self.n_kv
     k0 = prefix.k.repeat_interleave(group, dim=1)
     v0 = prefix.v.repeat_interleave(group, dim=1)
-    scores = (q @ k0.transpose(-1, -2)) / math.sqrt(d)
-    scores = scores.masked_fill(~prefix_visible[:, None], float("-inf"))
+    scores = (q @ k0.transpose(-1, -2)) / math.sqrt(d) + mask.bias[:, 0]
     for keys in diag:
         kj = keys.k.repeat_interleave(group, dim=1)
         scores = torch.cat([scores, ((q * kj).sum(-1) / math.sqrt(d))[..., None]], dim=-1)
@@ -68,27 +72,33 @@ def reference_attention():
 
 
 def reference_loss(model, batch, head_w, steps, decay):
-    """Per step: full-vocabulary target softmax, indexed to the draft vocab and renormalized,
-    labels shifted by padding, drafter unrolled with the per-step cache attention."""
+    """EAGLE-3's trainer: the target's full-vocabulary logits come with the batch; every step
+    shifts them (padding), takes the full-vocabulary softmax and argmax, indexes the draft
+    vocab (renormalized, so the loss is ours) and masks with t2d; the drafter runs every
+    position of every step with the per-step cache attention."""
+    target_logits = batch["last_hidden"] @ head_w.T                     # [B, T, V], as the target gives it
     with reference_attention():
         un = unroll(model, batch, steps)
     total = 0.0
     for k in range(steps):
-        logits_t = batch["last_hidden"] @ head_w.T                       # [B, T, V] every step
+        logits_t = shift(target_logits, k + 1)
         p_full = torch.softmax(logits_t.float(), dim=-1)
         p = p_full[..., model.d2t]
         p = p / p.sum(-1, keepdim=True)
-        greedy = shift(logits_t.argmax(-1), k + 1)
+        greedy = p_full.argmax(-1)
         valid = shift(batch["loss_mask"].bool() & batch["attention_mask"].bool(), k + 2, False)
         mask = valid & model.t2d[greedy]
-        ce = -(shift(p, k + 1) * F.log_softmax(un.logits[k].float(), dim=-1)).sum(-1)
+        ce = -(p * F.log_softmax(un.logits[k].float(), dim=-1)).sum(-1)
         total = total + decay ** k * (ce * mask).sum() / mask.sum().clamp(min=1)
+        with torch.no_grad():   # EAGLE-3 logs acc at every step (ours: the trainer's acc_k)
+            acc = ((un.logits[k].argmax(-1) == p.argmax(-1)) & mask).sum().item() / (valid.sum().item() + 1e-6)
     return total
 
 
 def ours_loss(model, batch, head_w, steps, decay):
+    """The trainer's step: labels once per batch, the unroll DDP wraps (`Drafter.forward`)."""
     labels = target_labels(batch["last_hidden"], head_w, model.d2t)
-    losses, *_ = step_losses(model, unroll(model, batch, steps), batch, labels)
+    losses, *_ = step_losses(model, model(batch, steps), batch, labels)
     return weighted_loss(losses, decay)
 
 
@@ -111,31 +121,56 @@ def matmul_peak(n: int = 1024, iters: int = 10) -> float:
     return 2 * n ** 3 * iters / (time.perf_counter() - start)
 
 
+def benchmark_batches(cfg: dict, results: Path, n_batches: int, batch_size: int, max_len: int):
+    """The trained target and the trainer's first batches of the captured train features
+    (real loss masks: user turns carry no label), truncated as the trainer does; without a
+    default run, a random target and random tokens with every position labelled."""
+    feats = results / "features/train"
+    if (feats / "index.json").exists() and (results / "target/model").exists():
+        target = load_target(results / "target/model", runtime(cfg)).eval().requires_grad_(False)
+        src = open_features(feats)
+        order = torch.randperm(len(src), generator=torch.Generator().manual_seed(cfg["seed"] * 1_000_003)).tolist()
+        batches = [{k: t[:, :max_len] for k, t in src.batch(order[i * batch_size: (i + 1) * batch_size]).items()}
+                   for i in range(n_batches)]
+        return target, batches, f"the trainer's first {n_batches} batches of {feats}"
+    vocab = cfg["tokenizer"]["vocab_size"]
+    target = build_target(cfg["target"]["arch"], vocab, 0).eval().requires_grad_(False)
+    n_layers = target.config.num_hidden_layers
+    batches = []
+    for _ in range(n_batches):
+        ids = torch.randint(3, vocab, (batch_size, max_len))
+        ctx = target_forward(target, ids, None, (2, n_layers // 2, n_layers - 3), tuple(range(n_layers)))
+        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids),
+                        "aux_hidden": ctx.aux_hidden, "last_hidden": ctx.last_hidden,
+                        **{f"key_{l}": ctx.keys[l] for l in range(n_layers)},
+                        **{f"value_{l}": ctx.values[l] for l in range(n_layers)}})
+    return target, batches, f"{n_batches} batches of random tokens, every position labelled (no default run found)"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", action="append", default=None)
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=2, help="timings per batch (median)")
+    ap.add_argument("--batches", type=int, default=4, help="training batches timed (sum)")
+    ap.add_argument("--results", default="results", help="a default run's results: its target and a real batch")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's)")
     args = ap.parse_args()
     cfg = read_config(args.config or ["config/config.yaml"])
     rt = runtime(cfg)
     torch.manual_seed(0)
     tc, dcfg = cfg["drafters"]["train"], cfg["drafters"]
-    vocab = cfg["tokenizer"]["vocab_size"]
-    target = build_target(cfg["target"]["arch"], vocab, 0).eval().requires_grad_(False)
-    n_layers = target.config.num_hidden_layers
-    ids = torch.randint(3, vocab, (tc["batch_size"], tc["max_len"]))
-    aux = (2, n_layers // 2, n_layers - 3)
-    ctx = target_forward(target, ids, None, aux, tuple(range(n_layers)))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids),
-             "aux_hidden": ctx.aux_hidden, "last_hidden": ctx.last_hidden,
-             **{f"key_{l}": ctx.keys[l] for l in range(n_layers)}, **{f"value_{l}": ctx.values[l] for l in range(n_layers)}}
-    head_w = target.lm_head.weight
-    d2t = torch.arange(min(dcfg["draft_vocab_size"], vocab))
     steps, decay = dcfg["ttt_steps"], dcfg["step_decay"]
-    tokens = ids.numel()
+    target, batches, source = benchmark_batches(cfg, Path(args.results), args.batches, tc["batch_size"], tc["max_len"])
+    batch = batches[0]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    head_w = target.lm_head.weight
+    vocab = target.config.vocab_size
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     peak = matmul_peak()
     rows, ok = [], True
     for v in dcfg["variants"]:
+        d2t = torch.arange(vocab if v["paradigm"] == "standalone" else min(dcfg["draft_vocab_size"], vocab))
         model = build_variant(v, target.config, target.model.embed_tokens.weight, d2t)
         # same loss and gradients first
         model.zero_grad()
@@ -147,10 +182,13 @@ def main() -> int:
         l_ours.backward()
         same = torch.allclose(l_ref, l_ours, rtol=1e-5, atol=1e-6) and all(
             torch.allclose(g_ref[n], p.grad, rtol=1e-3, atol=1e-6) for n, p in model.named_parameters() if n in g_ref)
-        t_ref = timed(reference_loss, model, batch, head_w, steps, decay, args.iters)
-        t_ours = timed(ours_loss, model, batch, head_w, steps, decay, args.iters)
+        t_ref = t_ours = 0.0
+        for b in batches:   # interleaved, so a change in machine load hits both alike
+            t_ref += timed(reference_loss, model, b, head_w, steps, decay, args.iters)
+            t_ours += timed(ours_loss, model, b, head_w, steps, decay, args.iters)
         with FlopCounterMode(display=False) as fc:
-            ours_loss(model, batch, head_w, steps, decay).backward()
+            for b in batches:
+                ours_loss(model, b, head_w, steps, decay).backward()
         rate = fc.get_total_flops() / t_ours
         row = {"variant": v["name"], "same_loss_and_grads": bool(same), "ours_tokens_per_s": tokens / t_ours,
                "reference_tokens_per_s": tokens / t_ref, "speedup": t_ref / t_ours, "gflops": rate / 1e9,
@@ -159,12 +197,14 @@ def main() -> int:
         ok &= same and row["speedup"] >= SPEEDUP_TARGET
         if v["paradigm"] == "hidden":
             ok &= row["peak_share"] >= PEAK_SHARE_TARGET
-    out = {"matmul_peak_gflops": peak / 1e9, "tokens_per_step": tokens, "threads": torch.get_num_threads(),
+    labelled = sum(float((b["loss_mask"] * b["attention_mask"]).sum()) for b in batches) / sum(
+        b["attention_mask"].numel() for b in batches)
+    out = {"batch": source, "labelled_share": labelled, "matmul_peak_gflops": peak / 1e9, "tokens": tokens, "batches": len(batches), "threads": torch.get_num_threads(),
            "device": rt.device, "rows": rows}
     Path("results/benchmarks").mkdir(parents=True, exist_ok=True)
     Path("results/benchmarks/ttt.json").write_text(json.dumps(out, indent=2))
     print(f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s on {torch.get_num_threads()} threads; "
-          f"{tokens} tokens per step, K = {steps}")
+          f"{tokens} tokens in {len(batches)} steps, K = {steps}; {source}, {labelled:.0%} of positions labelled")
     print(f"{'variant':10s} {'same':>5s} {'ours tok/s':>11s} {'ref tok/s':>10s} {'GFLOP/s':>8s} {'of peak':>8s}")
     for r in rows:
         print(f"{r['variant']:10s} {str(r['same_loss_and_grads']):>5s} {r['ours_tokens_per_s']:11.0f} "

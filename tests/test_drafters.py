@@ -155,3 +155,57 @@ def test_variant_config_merges_train_overrides(tiny):
     cfg["drafters"]["variants"][0]["train"] = {"max_steps": 9}
     v = variant_config(cfg, cfg["drafters"]["variants"][0]["name"])
     assert v["train"]["max_steps"] == 9 and v["train"]["lr"] == cfg["drafters"]["train"]["lr"]
+
+
+@pytest.mark.parametrize("block_rows", [64, 8])
+@pytest.mark.parametrize("paradigm", list(VARIANTS))
+def test_skipping_unlabelled_anchors_keeps_loss_and_gradients(setup, paradigm, block_rows, monkeypatch):
+    """Training drops anchors with no label at any step (after step 0 for the paradigms whose
+    step-0 keys are a shared prefix) and packs the batch: same loss, counts and gradients."""
+    from kvshot.drafters import skeleton
+
+    monkeypatch.setattr(skeleton, "BLOCK_ROWS", block_rows)   # 8: packed blocks start past other sequences' keys
+    src, target, _ = setup
+    model = make(setup, paradigm).train()
+    batch = src.batch([0, 1, 2, 3])          # different lengths: padding, user turns unlabelled
+    assert (batch["loss_mask"] == 0).float().mean() > 0.2
+    labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t)
+    results = []
+    for skip in (False, True):
+        model.zero_grad(set_to_none=True)
+        un = unroll(model, batch, K, skip_unlabelled=skip)
+        losses, counts, correct, acc_n = step_losses(model, un, batch, labels)
+        weighted_loss(losses, 0.8).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((un, torch.stack(losses), counts, correct, acc_n, grads))
+    (full, l0, c0, r0, a0, g0), (skipped, l1, c1, r1, a1, g1) = results
+    assert skipped.rows[-1] is not None and skipped.logits[-1][..., 0].numel() < full.logits[-1][..., 0].numel()
+    assert (skipped.rows[0] is None) == model.prefix_from_step0
+    torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-5)
+    assert [int(x) for x in c1] == [int(x) for x in c0] and [int(x) for x in a1] == [int(x) for x in a0]
+    assert [int(x) for x in r1] == [int(x) for x in r0]
+    assert g1.keys() == g0.keys()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_row_blocks_skip_only_keys_they_cannot_see():
+    """Attention in row blocks (each block reads only the keys up to its last visible one)
+    equals one block over every key, for causal rows with padding and diagonal keys."""
+    from kvshot.drafters.skeleton import Attention, DrafterConfig, Keys, prefix_mask
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig(paradigm="kv", hidden_size=32, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, intermediate_size=64, vocab_size=50, draft_vocab_size=50)
+    attn = Attention(32, cfg)
+    b, t = 2, 300
+    q = torch.randn(b, 4, t, 8)
+    prefix = Keys(torch.randn(b, 2, t, 8), torch.randn(b, 2, t, 8))
+    diag = [Keys(torch.randn(b, 2, t, 8), torch.randn(b, 2, t, 8)) for _ in range(3)]
+    anchors = torch.arange(t).expand(b, -1)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, 250:] = False                                  # a shorter second sequence
+    visible = (anchors[:, None, :] <= anchors[:, :, None]) & valid[:, None, :]
+    blocked, whole = prefix_mask(visible, torch.float32, block_rows=64), prefix_mask(visible, torch.float32, 10_000)
+    assert len(blocked.blocks) == 5 and blocked.blocks[0] == (0, 64, 0, 64) and len(whole.blocks) == 1
+    torch.testing.assert_close(attn.attend(q, prefix, blocked, diag), attn.attend(q, prefix, whole, diag))

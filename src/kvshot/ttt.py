@@ -7,7 +7,7 @@ distribution for x_{t+k+2}, i.e. the target's logits at position t+k+1.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -48,9 +48,37 @@ def target_labels(last_hidden: Tensor, lm_head_weight: Tensor, d2t: Tensor, chun
 
 @dataclass
 class Unrolled:
-    logits: list[Tensor]       # per step [B, T, N]
+    logits: list[Tensor]       # per step [B, T, N] (packed: [1, R, N])
     valid: list[Tensor]        # per step [B, T] bool: x_{t+k+2} exists and is an assistant token
     queries: list[list[Tensor]]  # per step, per KV attention: pre-RoPE normed query [B, H, T, D]
+    rows: list[Tensor | None] = field(default_factory=list)      # per step: packed rows b * T + t (None: every anchor)
+    anchors: list[Tensor | None] = field(default_factory=list)   # per step: packed rows' anchors t [1, R]
+
+
+def at_rows(x: Tensor, rows: Tensor | None, n: int, fill=0) -> Tensor:
+    """x[:, t + n] at every anchor t (`shift`), or for packed rows b * T + t: x[b, t + n],
+    as [1, R, ...]; `fill` past the end of a sequence."""
+    if rows is None:
+        return shift(x, n, fill)
+    t = x.shape[1]
+    past = (rows % t + n >= t)
+    out = x.reshape(-1, *x.shape[2:])[(rows + n).clamp(max=x.shape[0] * t - 1)]
+    out = out.masked_fill(past.view(-1, *[1] * (x.dim() - 2)), fill) if bool(past.any()) else out
+    return out[None]
+
+
+def labelled_rows(loss_mask: Tensor, steps: int, keep_share: float = 0.9) -> Tensor | None:
+    """Flat indices b * T + t (ascending) of the anchors with a label at some step
+    (x_{t+k+2} an assistant token for some k < steps); None when nearly every anchor has
+    one (packing would not pay)."""
+    b, t = loss_mask.shape
+    zeros = lambda n: torch.zeros(b, n, dtype=torch.long, device=loss_mask.device)
+    csum = torch.cat([zeros(1), torch.cat([loss_mask.long(), zeros(steps + 2)], 1).cumsum(1)], 1)
+    pos = torch.arange(t, device=loss_mask.device)
+    labelled = (csum[:, pos + steps + 2] - csum[:, pos + 2]) > 0                      # [B, T]
+    if not bool(labelled.any()) or float(labelled.float().mean()) > keep_share:
+        return None
+    return labelled.flatten().nonzero().view(-1)
 
 
 def context(batch: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -58,24 +86,39 @@ def context(batch: dict[str, Tensor]) -> dict[str, Tensor]:
     ctx = {k: v for k, v in batch.items() if k == "aux_hidden" or k.startswith(("key_", "value_"))}
     ctx["valid"] = batch["attention_mask"].bool()          # prefix keys (training: one per position)
     ctx["anchor_valid"] = ctx["valid"]                      # query rows (training: every position)
+    ctx["first_ids"] = batch["input_ids"][:, :1].long()     # x_0: no anchor reads it (the standalone LM does)
     return ctx
 
 
 def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries: bool = False,
-           own_tokens: bool = False) -> Unrolled:
+           own_tokens: bool = False, skip_unlabelled: bool = False) -> Unrolled:
     """K steps for every anchor at once. Inputs are the sequence's tokens (training, as EAGLE-3)
-    or, with own_tokens, the drafter's own greedy drafts from step 1 on (chain simulation)."""
+    or, with own_tokens, the drafter's own greedy drafts from step 1 on (chain simulation).
+    skip_unlabelled: anchors with no label at any step are dropped (from step 1 on for a
+    paradigm whose step-0 keys are every anchor's prefix) and the rest of the batch packed
+    into one row list (`StepState.pack`): the loss and its gradient are the same, the work
+    is not. Logits are then [1, R, N] for the rows `Unrolled.rows`."""
     ids = batch["input_ids"].long()
     b, t = ids.shape
-    anchors = torch.arange(t, device=ids.device).expand(b, -1)
-    state = drafter.begin(context(batch), anchors)
     loss_mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+    rows = labelled_rows(loss_mask, steps) if skip_unlabelled and not (own_tokens or keep_queries) else None
+    first_packed = 1 if drafter.prefix_from_step0 else 0
+    state = drafter.begin(context(batch), torch.arange(t, device=ids.device).expand(b, -1))
     out = Unrolled([], [], [])
+    packed = None
     for k in range(steps):
-        tokens = drafter.d2t[out.logits[-1].argmax(-1)] if own_tokens and k > 0 else shift(ids, k + 1)
-        h = drafter.step(state, tokens, anchors + k + 1, k)
+        if rows is not None and k == first_packed:
+            state.pack(rows)
+            packed = rows
+        if own_tokens and k > 0:
+            tokens = drafter.d2t[out.logits[-1].argmax(-1)]
+        else:
+            tokens = at_rows(ids, packed, k + 1)
+        h = drafter.step(state, tokens, state.anchors + k + 1, k)
         out.logits.append(drafter.logits(h))
-        out.valid.append(shift(loss_mask, k + 2, False))
+        out.valid.append(at_rows(loss_mask, packed, k + 2, False))
+        out.rows.append(packed)
+        out.anchors.append(None if packed is None else state.anchors)
         if keep_queries:
             out.queries.append([attn.last_query for _, attn in drafter.kv_attentions()])
     return out
@@ -94,9 +137,11 @@ def step_losses(drafter: Drafter, un: Unrolled, batch: dict[str, Tensor], labels
     local count by default), teacher-forced top-1 accuracy counts (`acc_k`, not alpha_k)."""
     losses, correct, counts, acc_counts = [], [], [], []
     for k, logits in enumerate(un.logits):
-        probs = shift(labels.probs, k + 1)
-        greedy = shift(labels.argmax, k + 1)
-        valid, mask = scored_tokens(batch, labels, drafter.t2d, k)
+        rows = un.rows[k] if un.rows else None
+        probs = at_rows(labels.probs, rows, k + 1)
+        greedy = at_rows(labels.argmax, rows, k + 1)
+        valid = un.valid[k]
+        mask = valid & drafter.t2d[greedy]
         ce = -(probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)
         n = mask.sum()
         denom = denominators[k] if denominators is not None else n.clamp(min=1)

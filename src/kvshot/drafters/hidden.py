@@ -52,7 +52,7 @@ class HiddenDrafter(Drafter):
                 state.prefix_valid[slot] = extend(old_valid if old_anchor is not None else None, valid, 1)
         else:
             state.diag[slot].append(keys)
-        return layer.self_attn.attend(q, state.prefix[slot], state.visible(slot), state.diag[slot])
+        return layer.self_attn.attend(q, state.prefix[slot], state.mask(slot, q.dtype), state.diag[slot])
 
     def hidden_layer(self, state: StepState, i: int, emb: Tensor, h: Tensor, rot: Rotary, k: int) -> Tensor:
         layer = self.layers[i]

@@ -59,8 +59,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+        if x.dtype == torch.float32:   # one fused op (forward and backward)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Qwen3: normalize in fp32, scale in the input dtype
+        return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype) * self.weight
 
 
 @dataclass
@@ -127,26 +129,69 @@ class Attention(nn.Module):
         self.last_query = q
         return rope(q, rot), Keys(rope(k, rot), v)
 
-    def attend(self, q: Tensor, prefix: Keys, prefix_visible: Tensor, diag: list[Keys]) -> Tensor:
-        """q [B, H, Tq, D]; prefix keys [B, Hkv, Tp, D] visible where prefix_visible [B, Tq, Tp];
-        diag: per earlier step, keys [B, Hkv, Tq, D] of the same query row."""
+    def attend(self, q: Tensor, prefix: Keys, mask: "PrefixMask", diag: list[Keys]) -> Tensor:
+        """q [B, H, Tq, D]; prefix keys [B, Hkv, Tp, D] seen through `mask`; diag: per earlier
+        step, keys [B, Hkv, Tq, D] of the same query row. Row blocks skip the prefix keys they
+        cannot see (a causal batch's upper triangle; other sequences' keys when packed)."""
         b, h, tq, d = q.shape
         group = h // self.n_kv
-        qg = q.view(b, self.n_kv, group, tq, d)
-        scale = 1.0 / math.sqrt(d)
-        s_prefix = torch.einsum("bngqd,bnkd->bngqk", qg, prefix.k) * scale
-        s_prefix = s_prefix.masked_fill(~prefix_visible[:, None, None], float("-inf"))
-        scores = [s_prefix]
-        if diag:
-            dk = torch.stack([x.k for x in diag], dim=-2)                   # [B, Hkv, Tq, S, D]
-            scores.append(torch.einsum("bngqd,bnqsd->bngqs", qg, dk) * scale)
-        probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
-        tp = prefix.k.shape[2]
-        out = torch.einsum("bngqk,bnkd->bngqd", probs[..., :tp], prefix.v)
-        if diag:
-            dv = torch.stack([x.v for x in diag], dim=-2)
-            out = out + torch.einsum("bngqs,bnqsd->bngqd", probs[..., tp:], dv)
+        qg = (q * (1.0 / math.sqrt(d))).view(b, self.n_kv, group, tq, d)
+        dk = torch.stack([x.k for x in diag], dim=-2) if diag else None    # [B, Hkv, Tq, S, D]
+        dv = torch.stack([x.v for x in diag], dim=-2) if diag else None
+        bias = mask.bias_as(q.dtype)
+        outs = []
+        for r0, r1, k0, k1 in mask.blocks:
+            qb = qg[:, :, :, r0:r1]
+            scores = [torch.einsum("bngqd,bnkd->bngqk", qb, prefix.k[:, :, k0:k1]) + bias[:, :, :, r0:r1, k0:k1]]
+            if diag:
+                scores.append(torch.einsum("bngqd,bnqsd->bngqs", qb, dk[:, :, r0:r1]))
+            probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+            out = torch.einsum("bngqk,bnkd->bngqd", probs[..., :k1 - k0], prefix.v[:, :, k0:k1])
+            if diag:
+                out = out + torch.einsum("bngqs,bnqsd->bngqd", probs[..., k1 - k0:], dv[:, :, r0:r1])
+            outs.append(out)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
         return self.o_proj(out.reshape(b, h, tq, d).transpose(1, 2).reshape(b, tq, h * d))
+
+
+@dataclass
+class PrefixMask:
+    """Which prefix keys each query row sees, built once per slot and row set (every step
+    and layer of an unroll reuses it): an additive bias, and row blocks with the span of
+    keys the block can see at all (keys are in sequence and anchor order)."""
+
+    bias: Tensor                               # [B, 1, 1, Tq, Tp]: 0 where visible, -inf elsewhere
+    blocks: list[tuple[int, int, int, int]]    # (first row, end row, first key, end key)
+    _cast: dict = field(default_factory=dict, repr=False)
+
+    def bias_as(self, dtype: torch.dtype) -> Tensor:
+        if dtype == self.bias.dtype:
+            return self.bias
+        if dtype not in self._cast:
+            self._cast[dtype] = self.bias.to(dtype)
+        return self._cast[dtype]
+
+
+BLOCK_ROWS = 64   # query rows per attention block in training (a block reads the keys it can see)
+
+
+def prefix_mask(visible: Tensor, dtype: torch.dtype, block_rows: int | None = None) -> PrefixMask:
+    """visible [B, Tq, Tp] -> PrefixMask. Blocks only pay off for many rows (training)."""
+    b, tq, tp = visible.shape
+    block_rows = block_rows or BLOCK_ROWS
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+    if tq < 2 * block_rows:
+        return PrefixMask(bias[:, None, None], [(0, tq, 0, tp)])
+    seen = visible.any(0)                                                # [Tq, Tp]
+    cols = torch.arange(tp, device=visible.device)
+    first = torch.where(seen, cols, tp).amin(-1)                         # [Tq] first visible key (tp: none)
+    last = torch.where(seen, cols, -1).amax(-1)                          # [Tq] last visible key (-1: none)
+    blocks = []
+    for r0 in range(0, tq, block_rows):
+        r1 = min(r0 + block_rows, tq)
+        k0, k1 = int(first[r0:r1].min()), int(last[r0:r1].max()) + 1
+        blocks.append((r0, r1, *((k0, k1) if k1 > k0 else (0, tp))))    # a block that sees nothing: as before
+    return PrefixMask(bias[:, None, None], blocks)
 
 
 class DecoderLayer(nn.Module):
@@ -176,22 +221,65 @@ class StepState:
     hidden: Tensor | None = None          # hidden-state paradigms: the carried state
     extra: dict = field(default_factory=dict)
 
+    row_seq: Tensor | None = None         # packed rows: [1, Tq] the sequence of each row
+    prefix_seq: list[Tensor | None] = field(default_factory=list)   # packed: per layer [1, Tp] each key's sequence
+    _masks: dict = field(default_factory=dict, repr=False)   # slot -> (what it was built from, PrefixMask)
+
     def select_rows(self, rows: Tensor | slice) -> None:
         """Keep only some query rows (decoding: after step 0 over the newly accepted tokens,
-        only the last anchor goes on drafting). Prefix caches are untouched."""
-        self.anchors = self.anchors[:, rows]
+        only the last anchor drafts on; tree children take their parent's row). Prefix
+        caches are untouched."""
+        take = lambda x, dim: x[(slice(None),) * dim + (rows,)]
+        self.anchors = take(self.anchors, 1)
         if self.hidden is not None:
-            self.hidden = self.hidden[:, rows]
-        self.diag = [[Keys(d.k[:, :, rows], d.v[:, :, rows]) for d in slot] for slot in self.diag]
+            self.hidden = take(self.hidden, 1)
+        self.diag = [[Keys(take(d.k, 2), take(d.v, 2)) for d in slot] for slot in self.diag]
         if self.extra.get("valid") is not None:
-            self.extra["valid"] = self.extra["valid"][:, rows]
+            self.extra["valid"] = take(self.extra["valid"], 1)
+
+    def pack(self, rows: Tensor) -> None:
+        """Training: keep the query rows `rows` (flat indices b * Tq + r, ascending) as one
+        packed sequence [1, R]. Every sequence's prefix is concatenated into one [1, B * Tp]
+        and visibility also asks for the same sequence, so no row is padded to the longest."""
+        b, tq = self.anchors.shape
+
+        def take(x: Tensor, dim: int) -> Tensor:   # rows along `dim` -> one packed row dim
+            return x.movedim(dim, 1).reshape(b * tq, *x.shape[1:dim], *x.shape[dim + 1:])[rows][None].movedim(1, dim)
+
+        def concat(x: Tensor, dim: int) -> Tensor:   # every sequence's keys in one row dim
+            return x.movedim(dim, 1).reshape(1, -1, *x.shape[1:dim], *x.shape[dim + 1:]).movedim(1, dim)
+
+        self.row_seq = (rows // tq)[None]
+        self.prefix_seq = [None if a is None else torch.arange(b, device=a.device).repeat_interleave(a.shape[1])[None]
+                           for a in self.prefix_anchor]
+        self.prefix = [None if p is None else Keys(concat(p.k, 2), concat(p.v, 2)) for p in self.prefix]
+        self.prefix_anchor = [None if a is None else concat(a, 1) for a in self.prefix_anchor]
+        self.prefix_valid = [None if v is None else concat(v, 1) for v in self.prefix_valid]
+        self.anchors = take(self.anchors, 1)
+        if self.hidden is not None:
+            self.hidden = take(self.hidden, 1)
+        self.diag = [[Keys(take(d.k, 2), take(d.v, 2)) for d in slot] for slot in self.diag]
+        if self.extra.get("valid") is not None:
+            self.extra["valid"] = take(self.extra["valid"], 1)
 
     def visible(self, slot: int) -> Tensor:
-        """[B, Tq, Tp]: a prefix key is visible to an anchor computed no later than it."""
+        """[B, Tq, Tp]: a prefix key is visible to an anchor computed no later than it (packed:
+        of the same sequence)."""
         vis = self.prefix_anchor[slot][:, None, :] <= self.anchors[:, :, None]
         if self.prefix_valid[slot] is not None:
             vis = vis & self.prefix_valid[slot][:, None, :].bool()
+        if self.row_seq is not None:
+            vis = vis & (self.prefix_seq[slot][:, None, :] == self.row_seq[:, :, None])
         return vis
+
+    def mask(self, slot: int, dtype: torch.dtype) -> PrefixMask:
+        """`visible` as a PrefixMask, rebuilt only when the prefix or the rows change."""
+        built_from = (self.prefix_anchor[slot], self.prefix_valid[slot], self.anchors)
+        cached = self._masks.get(slot)
+        if cached is None or any(a is not b for a, b in zip(cached[0], built_from)):
+            cached = (built_from, prefix_mask(self.visible(slot), dtype))
+            self._masks[slot] = cached
+        return cached[1]
 
 
 class Drafter(nn.Module):
@@ -200,6 +288,7 @@ class Drafter(nn.Module):
 
     paradigm = "base"
     reads_aux_hidden = False   # whether `begin` needs the target's aux hidden states
+    prefix_from_step0 = True   # step 0's keys are the prefix of later anchors: every anchor runs step 0
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -233,10 +322,10 @@ class Drafter(nn.Module):
 
     # -------------------------------------------------------------- shared
     def forward(self, batch: dict[str, Tensor], steps: int, keep_queries: bool = False):
-        """The TTT unroll over every anchor of a batch (what DDP wraps)."""
+        """The TTT unroll over the anchors of a batch that have labels (what DDP wraps)."""
         from ..ttt import unroll
 
-        return unroll(self, batch, steps, keep_queries)
+        return unroll(self, batch, steps, keep_queries, skip_unlabelled=True)
 
     def rotary(self, positions: Tensor) -> Rotary:
         return rotary(positions, self.cfg.head_dim, self.cfg.rope_theta, self.embed_tokens.weight.dtype)
