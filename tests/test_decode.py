@@ -1,5 +1,5 @@
 """End-to-end speculative decoding: greedy output equals the target's own greedy output for
-every paradigm, chain and tree; speculative sampling reproduces the target's distribution;
+every paradigm (the standalone draft LM included), chain and tree; speculative sampling reproduces the target's distribution;
 chain acceptance equals the teacher-forced step-wise simulation; the result's fields agree."""
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ VARIANTS = {
     "kv-2": {"name": "k2", "paradigm": "kv", "layers": 2},
     "hybrid-1": {"name": "y1", "paradigm": "hybrid", "layers": 1},
     "hybrid-2": {"name": "y2", "paradigm": "hybrid", "layers": 2, "gate_shape": "channel"},
+    "standalone-2": {"name": "s2", "paradigm": "standalone", "layers": 2},   # starts from the target's layers
 }
 MAX_NEW = 22
 STEPS, LR = 16, 1.2e-2
@@ -102,7 +103,7 @@ def world(tiny, tiny_features):
     drafters = {}
     for i, (name, v) in enumerate(VARIANTS.items()):
         torch.manual_seed(i)
-        model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), d2t)
+        model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), d2t, target)
         drafters[name] = train_quick(model, batch, head_w, steps=STEPS, lr=LR)
     return {"tok": tok, "target": target, "aux": aux, "prompts": prompts, "drafters": drafters,
             "eos": tok.eos_token_id, "refs": {}, "runs": {}}
@@ -249,6 +250,32 @@ def test_tree_nodes_score_their_own_ancestor_chain(world):
         for i, q in enumerate(small.parents):
             small_paths.append((small_paths[q] if q >= 0 else ()) + (small.tokens[i],))
         assert set(small_paths) == {paths[i] for i in best}
+
+
+@torch.no_grad()
+def test_greedy_chain_is_the_argmax_path_with_its_scores(world):
+    """The chain fast path: each token is the drafter's argmax given the ones before it (stepped
+    by hand), and its score the cumulative log-probability, for every paradigm."""
+    p = world["prompts"][3]
+    x = torch.tensor([p + reference(world, 3, 1)])
+    out = world["target"].model(input_ids=x, output_hidden_states=True, use_cache=True)
+    anchors = torch.arange(len(p))[None]
+    for variant, drafter in world["drafters"].items():
+        ctx = drafter_context(out.past_key_values, out.hidden_states, torch.arange(len(p)), world["aux"],
+                              drafter.cfg.kv_layers, torch.float32, x[:, :1])
+        chain = draft(drafter, drafter.begin(ctx, anchors), x[:, 1:], anchors, DraftSpec(depth=K))
+        assert chain.parents == list(range(-1, K - 1)) and chain.depths == list(range(1, K + 1))
+        state = drafter.begin(ctx, anchors)
+        h = drafter.step(state, x[:, 1:], anchors + 1, 0)[:, -1:]
+        state.select_rows(slice(-1, None))
+        score = 0.0
+        for k in range(K):
+            if k > 0:
+                h = drafter.step(state, torch.tensor([[chain.tokens[k - 1]]]), torch.tensor([[len(p) + k]]), k)
+            logp = torch.log_softmax(drafter.logits(h)[0, 0].float(), -1)
+            assert int(drafter.d2t[logp.argmax()]) == chain.tokens[k], (variant, k)
+            score += float(logp.max())
+            assert math.isclose(score, chain.scores[k], abs_tol=1e-4), (variant, k)
 
 
 # ---------------------------------------------------------------- chain acceptance == step-wise simulation

@@ -50,7 +50,7 @@ def test_smoke_dag_end_to_end(tmp_path):
         index = json.loads((wd / f"results/features/{split}/index.json").read_text())
         assert index["mode"] == "offline" and index["num_samples"] == n
         assert index["bytes_per_token"] == sum(index["bytes_per_token_by_tensor"].values())
-    variants = ("eagle3", "kv-d1", "kv-d2", "kv-d4", "hybrid")
+    variants = ("eagle3", "kv-d1", "kv-d2", "kv-d4", "hybrid", "standalone")
     for name in variants:
         folder = wd / f"results/drafters/{name}"
         metrics = json.loads((folder / "metrics.json").read_text())
@@ -82,7 +82,7 @@ def test_smoke_dag_end_to_end(tmp_path):
     assert "Nothing to be done" in (snakemake(wd, "-n", "--configfile", "config/smoke.yaml").stdout)
     (wd / "more.yaml").write_text("features:\n  kv_layers: [3]\n")
     jobs = dry_run_jobs(wd, "config/smoke.yaml", "more.yaml")
-    downstream = {"train_drafter": 5, "eval_stepwise": 5, "eval_e2e": 5, "report": 1, "all": 1}
+    downstream = {"train_drafter": 6, "eval_stepwise": 6, "eval_e2e": 6, "report": 1, "all": 1}
     assert jobs == {"capture_features": 2, **downstream}
     (wd / "more.yaml").write_text("drafters:\n  train:\n    lr: 0.002\n")
     assert dry_run_jobs(wd, "config/smoke.yaml", "more.yaml") == downstream
@@ -95,7 +95,7 @@ def test_paper_dag_dry_runs_with_the_default_rule_graph(tmp_path):
     smoke = dry_run_jobs(wd, "config/smoke.yaml")
     assert default == paper == smoke
     assert default == {"prepare_data": 1, "train_tokenizer": 1, "target": 1, "capture_features": 2,
-                       "target_continuations": 1, "train_drafter": 5, "eval_stepwise": 5, "eval_e2e": 5,
+                       "target_continuations": 1, "train_drafter": 6, "eval_stepwise": 6, "eval_e2e": 6,
                        "report": 1, "all": 1}
 
 
@@ -116,8 +116,8 @@ def test_paper_dag_through_the_slurm_profile_dry_runs_with_gpu_resources(tmp_pat
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "warning" not in out.lower(), out[-3000:]
     blocks = [b for b in re.split(r"\n(?=\[)", out) if "rule train_drafter:" in b]
-    assert len(blocks) == 5 and all("gpu=8" in b and "slurm_partition=gpu" in b for b in blocks)
-    assert out.count("accelerate launch --multi_gpu --num_processes 8") == 5   # DDP over the job's 8 GPUs
+    assert len(blocks) == 6 and all("gpu=8" in b and "slurm_partition=gpu" in b for b in blocks)
+    assert out.count("accelerate launch --multi_gpu --num_processes 8") == 6   # DDP over the job's 8 GPUs
 
 
 def test_lint_is_clean(tmp_path):

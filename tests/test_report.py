@@ -12,8 +12,9 @@ from kvshot.metrics import mat
 from kvshot.report import run_report
 from kvshot.report.claims import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED
 
-NAMES = ["eagle3", "kv-d1", "kv-d2", "kv-d4", "hybrid"]
-SPEC = {"eagle3": ("hidden", 1), "kv-d1": ("kv", 1), "kv-d2": ("kv", 2), "kv-d4": ("kv", 4), "hybrid": ("hybrid", 1)}
+NAMES = ["eagle3", "kv-d1", "kv-d2", "kv-d4", "hybrid", "standalone"]
+SPEC = {"eagle3": ("hidden", 1), "kv-d1": ("kv", 1), "kv-d2": ("kv", 2), "kv-d4": ("kv", 4), "hybrid": ("hybrid", 1),
+        "standalone": ("standalone", 2)}
 # alpha_0..6 shaped like the paper's story: hidden wins early, KV decays less, hybrid on top
 ALPHAS = {
     "eagle3": [0.80, 0.72, 0.65, 0.60, 0.55, 0.50, 0.47],
@@ -21,6 +22,7 @@ ALPHAS = {
     "kv-d2": [0.60, 0.55, 0.52, 0.50, 0.49, 0.48, 0.47],
     "kv-d4": [0.62, 0.58, 0.56, 0.54, 0.53, 0.52, 0.51],
     "hybrid": [0.85, 0.78, 0.72, 0.68, 0.66, 0.65, 0.64],
+    "standalone": [0.95, 0.94, 0.93, 0.92, 0.91, 0.90, 0.89],   # a baseline above everything: in no claim
 }
 W = 0.01  # half-width of every interval
 
@@ -38,7 +40,7 @@ def write_results(root: Path, alphas=ALPHAS, gate_final=0.05, tau=(3.0, 3.05), d
         log = []
         for step in range(0, 20, 5):
             rec = {"step": step, "loss": 1.0, "grad_norm": {"body": 1.0, "lm_head": 1.0}, "kv_key_share": None}
-            if paradigm != "hidden":
+            if paradigm in ("kv", "hybrid"):
                 rec["grad_norm"] |= {"kv_wk_wv": 0.05, "kv_query_out": 1.0}
                 rec["kv_key_share"] = 0.05
             if paradigm == "hybrid":
@@ -48,7 +50,7 @@ def write_results(root: Path, alphas=ALPHAS, gate_final=0.05, tau=(3.0, 3.05), d
         folder = root / "drafters" / name
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "train_log.json").write_text(json.dumps(log))
-        (folder / "metrics.json").write_text(json.dumps({"eval": {"query_cosine": [0.3] * 7 if paradigm != "hidden" else None}}))
+        (folder / "metrics.json").write_text(json.dumps({"eval": {"query_cosine": [0.3] * 7 if paradigm in ("kv", "hybrid") else None}}))
         t = tau[1] if name == "hybrid" else tau[0]
         d = draft_s[1] if name == "hybrid" else draft_s[0]
         mode = {"tau": t, "tokens_per_s": 100 * t, "speedup": t / 2, "draft_seconds_per_round": d,
@@ -78,6 +80,11 @@ def test_paper_shaped_results_reproduce_every_claim(tmp_path):
     assert float(row["paper (Qwen3-8B)"]) == 0.495 and float(row["this run"]) == pytest.approx(0.51)
     claims = json.loads((tmp_path / "claims.json").read_text())
     assert "**reproduced**" in (tmp_path / "claims.md").read_text() and len(claims) == 8
+    # the standalone draft LM is a baseline row in the tables, never part of a claim
+    assert not any("standalone" in json.dumps(c) for c in claims)
+    e2e = list(csv.DictReader(open(tmp_path / "tables/e2e.csv")))
+    assert [r["mode"] for r in e2e if r["variant"] == "standalone"] == ["chain", "tree"]
+    assert "standalone" not in (tmp_path / "tables/depth.md").read_text()
 
 
 def test_verdicts_follow_the_numbers(tmp_path):

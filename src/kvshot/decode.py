@@ -120,10 +120,12 @@ def keep_path(cache: DynamicCache, n_past: int, path: list[int]) -> None:
 
 
 def drafter_context(cache: DynamicCache, hidden_states: Sequence[Tensor] | None, rows: Tensor,
-                    aux_layers: Sequence[int] | None, kv_layers: Sequence[int], dtype: torch.dtype) -> dict[str, Tensor]:
+                    aux_layers: Sequence[int] | None, kv_layers: Sequence[int], dtype: torch.dtype,
+                    first_ids: Tensor | None = None) -> dict[str, Tensor]:
     """What a drafter reads of the target: aux hidden states at the new anchor rows and the
-    target's own cache for the whole prefix (a view, transposed to [B, T, H_kv, D])."""
-    ctx: dict[str, Tensor] = {}
+    target's own cache for the whole prefix (a view, transposed to [B, T, H_kv, D]); in the
+    first round also the first token [B, 1], which no anchor's step reads (a standalone LM sees it)."""
+    ctx: dict[str, Tensor] = {} if first_ids is None else {"first_ids": first_ids}
     if aux_layers:
         ctx["aux_hidden"] = torch.stack([hidden_states[i][:, rows] for i in aux_layers], dim=2).to(dtype)
     for l in kv_layers:
@@ -146,6 +148,9 @@ def draft(drafter: Drafter, state: StepState, step0_ids: Tensor, anchors: Tensor
     t = int(anchors[0, -1])
     h = drafter.step(state, step0_ids, anchors + 1, 0)[:, -1:]   # step 0 over every new anchor
     state.select_rows(slice(-1, None))                           # only the last one drafts on
+    if spec.chain and not sample:
+        out = _greedy_chain(drafter, state, h, t, spec.depth)
+        return out if spec.total_tokens is None else _best_nodes(out, spec.total_tokens)
     tokens: list[int] = []
     parents: list[int] = []
     depths: list[int] = []
@@ -179,6 +184,23 @@ def draft(drafter: Drafter, state: StepState, step0_ids: Tensor, anchors: Tensor
         row_node, row_score, ids = first + keep, cand_score[keep], d2t[cand_tok[keep]][None]
     out = Draft(tokens, parents, depths, scores, torch.stack(qs) if sample else None)
     return out if spec.total_tokens is None else _best_nodes(out, spec.total_tokens)
+
+
+def _greedy_chain(drafter: Drafter, state: StepState, h: Tensor, t: int, depth: int) -> Draft:
+    """The tree loop specialised to one greedy row: the row stays itself (no `select_rows`
+    copies per step), tokens stay on the device until the end, and the scores come from the
+    stacked logits at once."""
+    positions = torch.arange(t + 2, t + depth + 1, device=h.device).view(-1, 1, 1)   # step k: t + k + 1
+    logits, ids = [], None
+    for k in range(depth):
+        if k > 0:
+            h = drafter.step(state, ids, positions[k - 1], k)
+        logits.append(drafter.logits(h)[0, -1])
+        ids = drafter.d2t[logits[-1].argmax()].view(1, 1)
+    logits = torch.stack(logits).float()                         # [K, draft vocab]
+    best = logits.argmax(-1)
+    scores = torch.log_softmax(logits, dim=-1).gather(1, best[:, None]).squeeze(1).cumsum(0)
+    return Draft(drafter.d2t[best].tolist(), list(range(-1, depth - 1)), list(range(1, depth + 1)), scores.tolist())
 
 
 def _best_nodes(d: Draft, n: int) -> Draft:
@@ -265,7 +287,7 @@ def _append(tokens: list[int], new: list[int], max_new_tokens: int, eos_token_id
     return len(new), None
 
 
-@torch.no_grad()
+@torch.inference_mode()   # no autograd bookkeeping at all: many small ops per round
 def speculative_generate(target, drafter: Drafter, input_ids: Tensor, max_new_tokens: int,
                          eos_token_id: int | None = None, aux_layers: Sequence[int] | None = None,
                          spec: DraftSpec | None = None, temperature: float = 0.0,
@@ -299,7 +321,7 @@ def speculative_generate(target, drafter: Drafter, input_ids: Tensor, max_new_to
     while stop is None:
         t0 = _clock(device)
         seq = input_ids[0].tolist() + res.tokens
-        ctx = drafter_context(cache, hidden, rows, aux_layers, kv_layers, dtype)
+        ctx = drafter_context(cache, hidden, rows, aux_layers, kv_layers, dtype, input_ids[:, :1] if state is None else None)
         anchors = torch.arange(lo, n_past, device=device)[None]
         state = drafter.begin(ctx, anchors, previous=state)
         d = draft(drafter, state, torch.tensor([seq[lo + 1: n_past + 1]], device=device), anchors, spec,
@@ -330,7 +352,7 @@ def speculative_generate(target, drafter: Drafter, input_ids: Tensor, max_new_to
     return res
 
 
-@torch.no_grad()
+@torch.inference_mode()   # no autograd bookkeeping at all: many small ops per round
 def plain_generate(target, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | None = None,
                    temperature: float = 0.0, generator: torch.Generator | None = None) -> DecodeResult:
     """The baseline: the target alone, one token per forward, same cache and timing harness."""

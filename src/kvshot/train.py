@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from .config import ConfigError, Runtime
 from .drafters import Drafter, DrafterConfig, build_drafter
+from .drafters.standalone import init_from_target
 from .features import FeatureSource, open_features
 from .io import read_json, write_json
 from .target import load_target, lr_at, rope_theta, target_queries
@@ -52,21 +53,28 @@ def draft_vocab(source: FeatureSource, size: int, vocab_size: int, samples: int 
     return torch.tensor(sorted(order), dtype=torch.long)
 
 
-def build_variant(v: dict, target_cfg, embed: torch.Tensor, d2t: torch.Tensor) -> Drafter:
+def build_variant(v: dict, target_cfg, embed: torch.Tensor, d2t: torch.Tensor, target=None) -> Drafter:
+    """A fresh drafter for variant `v`. The standalone LM drafts over the full vocabulary and,
+    given the `target` model, starts from its first layers (then TTT distills it)."""
     n_target = target_cfg.num_hidden_layers
-    depth = v["layers"]
+    depth, paradigm = v["layers"], v["paradigm"]
+    reads_kv = paradigm in ("kv", "hybrid")
     kv_layers = v.get("kv_layers") or list(range(n_target - depth, n_target))  # the top target layers
-    if v["paradigm"] != "hidden" and len(kv_layers) != depth:
+    if reads_kv and len(kv_layers) != depth:
         raise ConfigError(f"config: drafters.variants.{v['name']}.kv_layers: {len(kv_layers)} layers for depth {depth}")
+    if paradigm == "standalone":
+        d2t = torch.arange(target_cfg.vocab_size)
     dc = DrafterConfig(
-        paradigm=v["paradigm"], hidden_size=target_cfg.hidden_size, num_layers=depth,
+        paradigm=paradigm, hidden_size=target_cfg.hidden_size, num_layers=depth,
         num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
         head_dim=target_cfg.head_dim, intermediate_size=v.get("intermediate_size") or target_cfg.intermediate_size,
         vocab_size=target_cfg.vocab_size, draft_vocab_size=len(d2t), rope_theta=rope_theta(target_cfg),
-        rms_norm_eps=target_cfg.rms_norm_eps, kv_layers=[] if v["paradigm"] == "hidden" else list(kv_layers),
+        rms_norm_eps=target_cfg.rms_norm_eps, kv_layers=list(kv_layers) if reads_kv else [],
         gate_shape=v.get("gate_shape", "scalar"), gate_init=float(v.get("gate_init", 0.5)))
     model = build_drafter(dc)
     model.set_vocab(embed, d2t)
+    if paradigm == "standalone" and target is not None:
+        init_from_target(model, target)
     return model
 
 
@@ -192,7 +200,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     head_w = target.lm_head.weight.detach()
     n = min(len(train_src), tc.get("train_samples") or len(train_src))   # the data-scaling knob
     d2t = draft_vocab(train_src, dcfg["draft_vocab_size"], target.config.vocab_size, n)
-    model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), d2t).to(rt.device)
+    model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), d2t, target).to(rt.device)
     missing = sorted(set(model.cfg.kv_layers) - set(train_src.spec.kv_layers))
     if missing:
         raise ConfigError(f"config: features.kv_layers: variant {name} reads target layers {missing}, "
@@ -280,7 +288,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
                "train_samples": n,
                "resumed_from": progress["resumed_from"], "world_size": world, "train_seconds": seconds,
                "train_tokens_per_s": tokens_seen * world / max(seconds, 1e-9),
-               "parameters": sum(p.numel() for p in params), "draft_vocab_size": len(d2t)}
+               "parameters": sum(p.numel() for p in params), "draft_vocab_size": len(model.d2t)}
     if rank == 0:
         metrics["eval"] = evaluate(model, eval_src, head_w, steps_k, tc["batch_size"], tc["eval_batches"],
                                    target if model.kv_attentions() else None)

@@ -1,10 +1,13 @@
-"""Drafter paradigms: one skeleton, three ways to read the target's context."""
+"""Drafter paradigms: one skeleton, three ways to read the target's context, and a
+standalone draft model that reads none of it (the classic baseline)."""
 from .hidden import HiddenDrafter
 from .hybrid import HybridDrafter
 from .kv import KVDrafter
 from .skeleton import Drafter, DrafterConfig, load_drafter
+from .standalone import StandaloneDrafter
 
-PARADIGMS = {"hidden": HiddenDrafter, "kv": KVDrafter, "hybrid": HybridDrafter}
+PARADIGMS = {"hidden": HiddenDrafter, "kv": KVDrafter, "hybrid": HybridDrafter,
+             "standalone": StandaloneDrafter}
 
 
 def build_drafter(cfg: DrafterConfig) -> Drafter:

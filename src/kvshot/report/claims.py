@@ -90,9 +90,9 @@ def evaluate_claims(variants: list[Variant]) -> list[dict]:
                          f"alpha_0 and alpha_1 of {ref.name} > every KV-only variant", nums, combine(verdicts)))
     # Hybrid best step-wise, and its retention gain
     if hyb:
-        others = [v for v in variants if v is not hyb]
+        others = [v for v in r["paper"] if v is not hyb]
         out.append(claim("hybrid best step-wise", "MAT 2.54 vs EAGLE-3 2.37", f"MAT({hyb.name}) > MAT of every other variant",
-                         {v.name: _fmt(*_mat(v)) for v in variants},
+                         {v.name: _fmt(*_mat(v)) for v in r["paper"]},
                          combine([greater(*_mat(hyb), *_mat(v)) for v in others])))
     if hyb and ref:
         a = (hyb.stepwise["retention"], hyb.stepwise["retention_ci"])

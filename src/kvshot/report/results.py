@@ -28,7 +28,7 @@ class Variant:
 
     @property
     def label(self) -> str:
-        kind = {"hidden": "hidden-only", "kv": "KV-only", "hybrid": "hybrid"}[self.paradigm]
+        kind = {"hidden": "hidden-only", "kv": "KV-only", "hybrid": "hybrid", "standalone": "standalone LM"}[self.paradigm]
         return f"{self.name} ({kind}, {self.layers} layer{'s' if self.layers > 1 else ''})"
 
 
@@ -58,11 +58,16 @@ def load_variants(results: str | Path, names: list[str], with_e2e: bool = True,
     return out
 
 
+PAPER_PARADIGMS = ("hidden", "kv", "hybrid")   # a standalone draft LM is a baseline row, in no claim
+
+
 def roles(variants: list[Variant]) -> dict:
     """Which variant plays which part in the paper's comparisons (by paradigm and depth,
-    not by name): the 1-layer hidden-only reference, KV-only by depth, the hybrid."""
-    hidden = [v for v in variants if v.paradigm == "hidden"]
+    not by name): the 1-layer hidden-only reference, KV-only by depth, the hybrid, and
+    every variant of the paper's paradigms."""
+    paper = [v for v in variants if v.paradigm in PAPER_PARADIGMS]
+    hidden = [v for v in paper if v.paradigm == "hidden"]
     ref = min(hidden, key=lambda v: v.layers) if hidden else None
-    kv = {v.layers: v for v in sorted(variants, key=lambda v: v.layers) if v.paradigm == "kv"}
-    hybrid = next((v for v in variants if v.paradigm == "hybrid"), None)
-    return {"eagle3": ref, "kv": kv, "hybrid": hybrid}
+    kv = {v.layers: v for v in sorted(paper, key=lambda v: v.layers) if v.paradigm == "kv"}
+    hybrid = next((v for v in paper if v.paradigm == "hybrid"), None)
+    return {"eagle3": ref, "kv": kv, "hybrid": hybrid, "paper": paper}

@@ -1,0 +1,182 @@
+"""The standalone draft model is exactly a Qwen3 causal LM: its unroll (every step, x_0
+included) equals the converted transformers model, decoding rounds equal the batched unroll,
+it starts from the target's layers, and the trainer reaches all of it."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kvshot.drafters import load_drafter
+from kvshot.drafters.standalone import StandaloneDrafter, hf_name, to_hf
+from kvshot.features import open_features
+from kvshot.target import load_target
+from kvshot.train import build_variant, param_groups
+from kvshot.ttt import context, step_losses, target_labels, unroll, weighted_loss
+
+K = 4
+VARIANT = {"name": "s", "paradigm": "standalone", "layers": 2, "kv_layers": [0, 1]}   # kv_layers: ignored
+
+
+@pytest.fixture(scope="module")
+def setup(tiny, tiny_features):
+    src = open_features(tiny_features["train"])
+    target = load_target(tiny["model"], tiny["rt"], attn="eager")
+    return src, target
+
+
+def random_drafter(target, seed: int = 0) -> StandaloneDrafter:
+    """Random layers (not the target's), norms off 1 so every weight matters."""
+    torch.manual_seed(seed)
+    d2t = torch.arange(10)   # replaced by the full vocabulary
+    model = build_variant(VARIANT, target.config, target.model.embed_tokens.weight.detach(), d2t)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad and p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def lm_batch(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+
+
+def test_build_variant_full_vocab_no_target_context(setup):
+    _, target = setup
+    model = random_drafter(target)
+    vocab = target.config.vocab_size
+    assert isinstance(model, StandaloneDrafter) and model.cfg.kv_layers == [] and not model.reads_aux_hidden
+    assert torch.equal(model.d2t, torch.arange(vocab)) and bool(model.t2d.all()) and model.lm_head.out_features == vocab
+    assert model.kv_attentions() == [] and set(param_groups(model)) == {"body", "lm_head"}
+
+
+@torch.no_grad()
+def test_to_hf_logits_equal_every_unroll_step(setup):
+    """Step k at anchor t reads x_{t+k+1}: the HF model's logits at position t+k+1. Position 0
+    (x_0) is what `begin` adds to the prefix; computed alone it is the HF logits at 0."""
+    src, target = setup
+    model = random_drafter(target)
+    hf = to_hf(model, attn_implementation="eager")
+    assert hf.config.num_hidden_layers == 2 and not hf.config.tie_word_embeddings
+    ids = torch.cat([src.batch([0])["input_ids"][:, :40], src.batch([1])["input_ids"][:, :40]]).long()
+    ref = hf(ids).logits
+    un = unroll(model, lm_batch(ids), K)
+    t = ids.shape[1]
+    for k in range(K):
+        torch.testing.assert_close(un.logits[k][:, : t - k - 1], ref[:, k + 1:], atol=1e-5, rtol=0)
+    state = model.begin({}, torch.full((2, 1), -1))          # x_0 as the only row, nothing before it
+    h0 = model.step(state, ids[:, :1], torch.zeros(2, 1, dtype=torch.long), 0)
+    torch.testing.assert_close(model.logits(h0)[:, 0], ref[:, 0], atol=1e-5, rtol=0)
+    # without x_0 in the prefix the drafter would not be the causal LM (the test can fail)
+    assert "first_ids" in context(lm_batch(ids))
+    state = model.begin({}, torch.arange(t - 1).expand(2, -1))
+    assert not torch.allclose(model.logits(model.step(state, ids[:, 1:], torch.arange(1, t)[None], 0)), ref[:, 1:],
+                              atol=1e-3)
+
+
+@torch.no_grad()
+def test_decoding_rounds_equal_the_batched_unroll(setup):
+    """As the decoder runs it: round 1 sees x_0 and anchors < split, round 2 extends the
+    drafter's own cache (previous state) with anchors split..t, then t drafts K steps."""
+    src, target = setup
+    model = random_drafter(target, seed=1)
+    ids = src.batch([2])["input_ids"].long()
+    un = unroll(model, lm_batch(ids), K)
+    for t, split in ((5, 2), (ids.shape[1] - K - 2, 7)):
+        state = None
+        for lo, hi in ((0, split - 1), (split, t)):
+            anchors = torch.arange(lo, hi + 1)[None]
+            ctx = {"first_ids": ids[:, :1]} if state is None else {}
+            state = model.begin(ctx, anchors, previous=state)
+            h = model.step(state, ids[:, lo + 1: hi + 2], anchors + 1, 0)
+        state.select_rows(slice(-1, None))
+        out = [model.logits(h[:, -1:])]
+        for k in range(1, K):
+            out.append(model.logits(model.step(state, ids[:, t + k + 1: t + k + 2], torch.tensor([[t + k + 1]]), k)))
+        for k in range(K):
+            torch.testing.assert_close(out[k][0, 0], un.logits[k][0, t], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_no_future_leakage(setup):
+    src, target = setup
+    model = random_drafter(target, seed=2)
+    ids = src.batch([1])["input_ids"].long()
+    base = unroll(model, lm_batch(ids), K).logits
+    t = ids.shape[1] // 2
+    for k in range(K):
+        changed = ids.clone()
+        changed[:, t + k + 2:] = (changed[:, t + k + 2:] + 7) % 100
+        after = unroll(model, lm_batch(changed), K).logits
+        torch.testing.assert_close(after[k][:, t], base[k][:, t], atol=1e-5, rtol=1e-5)
+    changed = ids.clone()
+    changed[:, 0] = (changed[:, 0] + 7) % 100     # x_0 is seen by every row
+    assert not torch.allclose(unroll(model, lm_batch(changed), 1).logits[0][:, t], base[0][:, t])
+
+
+def test_starts_from_the_target_and_distills(setup):
+    """Built with the target: its first layers, final norm and head (at full depth it is the
+    target); TTT's soft labels (the target distribution) then reach every trainable weight."""
+    src, target = setup
+    embed = target.model.embed_tokens.weight.detach()
+    n = target.config.num_hidden_layers
+    full = build_variant({**VARIANT, "layers": n}, target.config, embed, torch.arange(3), target).eval()
+    ids = src.batch([0])["input_ids"].long()
+    with torch.no_grad():
+        ref = target(ids).logits
+        torch.testing.assert_close(to_hf(full)(ids).logits, ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(unroll(full, lm_batch(ids), 1).logits[0][:, :-1], ref[:, 1:], atol=1e-5, rtol=0)
+
+    model = build_variant(VARIANT, target.config, embed, torch.arange(3), target).train()
+    theirs = target.state_dict()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, theirs[hf_name(name)]), name
+    batch = src.batch([0, 1, 2])
+    labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t)
+    losses, *_ = step_losses(model, unroll(model, batch, K), batch, labels)
+    weighted_loss(losses, 0.8).backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert not model.embed_tokens.weight.requires_grad
+
+
+def test_save_load_and_to_hf_refuses_a_reduced_vocab(setup, tmp_path):
+    src, target = setup
+    model = random_drafter(target)
+    model.save(tmp_path / "s")
+    loaded = load_drafter(tmp_path / "s").eval()
+    ids = src.batch([0])["input_ids"][:, :30].long()
+    with torch.no_grad():
+        assert torch.equal(unroll(loaded, lm_batch(ids), 2).logits[1], unroll(model, lm_batch(ids), 2).logits[1])
+    reduced = copy.deepcopy(model)
+    reduced.set_vocab(model.embed_tokens.weight, torch.flip(torch.arange(target.config.vocab_size), [0]))
+    with pytest.raises(ValueError, match="full target vocabulary"):
+        to_hf(reduced)
+    with pytest.raises(ValueError, match="cannot start from the target"):
+        build_variant({**VARIANT, "intermediate_size": 8}, target.config, model.embed_tokens.weight, model.d2t, target)
+
+
+@torch.no_grad()
+def test_hf_assisted_generation_with_the_converted_drafter_matches_ours(setup):
+    """What benchmarks/assisted.py compares: HF's assisted generation with `to_hf(drafter)`
+    drafting a constant K per round, kvshot's decoder with the drafter itself, and the target
+    alone give the same greedy tokens."""
+    from kvshot.decode import DraftSpec, speculative_generate
+
+    src, target = setup
+    model = build_variant(VARIANT, target.config, target.model.embed_tokens.weight.detach(), torch.arange(3),
+                          target).eval()
+    hf = to_hf(model, attn_implementation="eager")
+    hf.generation_config.num_assistant_tokens = K
+    hf.generation_config.num_assistant_tokens_schedule = "constant"
+    hf.generation_config.assistant_confidence_threshold = 0.0
+    for i in range(3):
+        x = src.batch([i])["input_ids"][:, :24].long()
+        kw = dict(attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=20, eos_token_id=None,
+                  pad_token_id=target.config.pad_token_id)
+        plain = target.generate(x, **kw)[0, x.shape[1]:].tolist()
+        assisted = target.generate(x, assistant_model=hf, **kw)[0, x.shape[1]:].tolist()
+        ours = speculative_generate(target, model, x, 20, None, None, DraftSpec(depth=K)).tokens
+        assert plain == assisted == ours, i
