@@ -9,7 +9,7 @@ import torch
 
 from kvshot.features import open_features
 from kvshot.target import load_target
-from kvshot.train import build_variant, draft_vocab, param_groups, variant_config
+from kvshot.train import build_variant, draft_vocab, kv_key_share, param_groups, variant_config
 from kvshot.ttt import context, shift, step_losses, target_labels, unroll, weighted_loss
 
 K = 4
@@ -185,6 +185,7 @@ def test_skipping_unlabelled_anchors_keeps_loss_and_gradients(setup, paradigm, b
     assert [int(x) for x in c1] == [int(x) for x in c0] and [int(x) for x in a1] == [int(x) for x in a0]
     assert [int(x) for x in r1] == [int(x) for x in r0]
     assert g1.keys() == g0.keys()
+    assert kv_key_share(skipped.valid, skipped.anchors) == pytest.approx(kv_key_share(full.valid, full.anchors))
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], atol=1e-5, rtol=1e-4, msg=name)
 

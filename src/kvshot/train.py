@@ -111,13 +111,15 @@ def grad_norms(groups: dict[str, list]) -> dict[str, float]:
     return out
 
 
-def kv_key_share(valid: list[torch.Tensor]) -> float:
+def kv_key_share(valid: list[torch.Tensor], anchors: list[torch.Tensor | None] | None = None) -> float:
     """Share of the keys a KV-path query attends that come from the drafter's own W_K/W_V
     (and so pass gradient to them): (k+1) drafted keys vs (t+1) copied target keys at
-    anchor t, step k, averaged over scored (anchor, step) pairs."""
+    anchor t, step k, averaged over scored (anchor, step) pairs. anchors: each row's
+    anchor per step (None: row r is anchor r)."""
     num, den = 0.0, 0
     for k, v in enumerate(valid):
-        t = torch.arange(v.shape[1], dtype=torch.float32).expand_as(v)
+        rows = anchors[k] if anchors else None
+        t = (torch.arange(v.shape[1]).expand_as(v) if rows is None else rows).to(torch.float32)
         num += float(((k + 1) / (t + k + 2))[v].sum())
         den += int(v.sum())
     return num / max(den, 1)
@@ -268,7 +270,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
             rec = {"step": step, "lr": sched.get_last_lr()[0], "loss": float(loss) / world,
                    "loss_k": [float(l) / world for l in losses],
                    "acc_k": [int(c) / max(int(a), 1) for c, a in zip(correct, acc_n)],
-                   "grad_norm": norms, "kv_key_share": kv_key_share(un.valid) if model.kv_attentions() else None}
+                   "grad_norm": norms, "kv_key_share": kv_key_share(un.valid, un.anchors) if model.kv_attentions() else None}
             if hasattr(model, "gate"):
                 g = model.gate().detach()
                 rec["gate"] = {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max())}
