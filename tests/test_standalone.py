@@ -180,3 +180,18 @@ def test_hf_assisted_generation_with_the_converted_drafter_matches_ours(setup):
         assisted = target.generate(x, assistant_model=hf, **kw)[0, x.shape[1]:].tolist()
         ours = speculative_generate(target, model, x, 20, None, None, DraftSpec(depth=K)).tokens
         assert plain == assisted == ours, i
+
+
+def test_teacher_forced_shortcut_equals_the_step_by_step_unroll(setup):
+    """A causal LM's teacher-forced step k at anchor t is its step 0 at anchor t + k: the
+    one-pass unroll equals K explicit steps (diagonal keys and all) where labels exist."""
+    src, target = setup
+    model = random_drafter(target)
+    batch = lm_batch(torch.cat([src.batch([0])["input_ids"][:, :40], src.batch([1])["input_ids"][:, :40]]).long())
+    fast = unroll(model, batch, K)
+    model.causal_lm = False                      # this instance only: the generic K-step unroll
+    slow = unroll(model, batch, K)
+    t = batch["input_ids"].shape[1]
+    for k in range(K):
+        torch.testing.assert_close(fast.logits[k][:, : t - k - 1], slow.logits[k][:, : t - k - 1], atol=1e-5, rtol=0)
+        assert torch.equal(fast.valid[k], slow.valid[k])

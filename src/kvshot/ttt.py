@@ -105,6 +105,15 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
     first_packed = 1 if drafter.prefix_from_step0 else 0
     state = drafter.begin(context(batch), torch.arange(t, device=ids.device).expand(b, -1))
     out = Unrolled([], [], [])
+    if drafter.causal_lm and not own_tokens:
+        # teacher-forced, step k at anchor t reads what step 0 reads at anchor t + k: one pass
+        logits0 = drafter.logits(drafter.step(state, shift(ids, 1), state.anchors + 1, 0))
+        for k in range(steps):
+            out.logits.append(shift(logits0, k))
+            out.valid.append(shift(loss_mask, k + 2, False))
+            out.rows.append(None)
+            out.anchors.append(None)
+        return out
     packed = None
     for k in range(steps):
         if rows is not None and k == first_packed:

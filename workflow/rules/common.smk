@@ -35,6 +35,19 @@ def stage_params(*sections):
     return json.dumps(stage_config(config, *sections), sort_keys=True)
 
 
+def variant_params(*sections):
+    """stage_params for a job of one drafter variant: drafters.variants holds only that
+    variant's entry, so adding or editing a variant reruns its own jobs alone."""
+
+    def params(wildcards):
+        cfg = stage_config(config, *sections)
+        own = [v for v in config["drafters"]["variants"] if v["name"] == wildcards.variant]
+        cfg["drafters"] = {**cfg["drafters"], "variants": own}
+        return json.dumps(cfg, sort_keys=True)
+
+    return params
+
+
 def log_path(rule_name, suffix=""):
     return f"logs/{rule_name}{suffix}.log"
 

@@ -32,7 +32,7 @@ rule eval_stepwise:
     wildcard_constraints:
         variant="|".join(VARIANTS),
     params:
-        cfg=stage_params("target", "drafters", "eval"),
+        cfg=variant_params("target", "drafters", "eval"),
     log:
         log_path("eval_stepwise", "_{variant}"),
     benchmark:
@@ -60,7 +60,7 @@ rule eval_e2e:
     wildcard_constraints:
         variant="|".join(VARIANTS),
     params:
-        cfg=stage_params("target", "drafters", "eval"),
+        cfg=variant_params("target", "drafters", "eval"),
     log:
         log_path("eval_e2e", "_{variant}"),
     benchmark:

@@ -13,7 +13,7 @@ rule scaling_train:
         n=r"\d+",
         variant="|".join(VARIANTS),
     params:
-        cfg=stage_params("drafters"),
+        cfg=variant_params("drafters"),
         overlay=scaling_overlay,
     log:
         log_path("scaling_train", "_n{n}_{variant}"),

@@ -8,7 +8,7 @@ rule train_drafter:
     wildcard_constraints:
         variant="|".join(VARIANTS),
     params:
-        cfg=stage_params("drafters"),
+        cfg=variant_params("drafters"),
         launcher=train_launcher(),
     log:
         log_path("train_drafter", "_{variant}"),

@@ -28,7 +28,7 @@ from ..io import atomic_dir, write_json
 
 @dataclass
 class DrafterConfig:
-    paradigm: str                      # hidden | kv | hybrid
+    paradigm: str                      # hidden | kv | hybrid | standalone
     hidden_size: int                   # = the target's hidden size (embedding is shared)
     num_layers: int
     num_attention_heads: int           # KV path: must equal the target's (shared query geometry)
@@ -289,6 +289,7 @@ class Drafter(nn.Module):
     paradigm = "base"
     reads_aux_hidden = False   # whether `begin` needs the target's aux hidden states
     prefix_from_step0 = True   # step 0's keys are the prefix of later anchors: every anchor runs step 0
+    causal_lm = False          # a plain causal LM: teacher-forced step k at anchor t = step 0 at anchor t + k
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()

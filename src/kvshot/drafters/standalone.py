@@ -18,6 +18,7 @@ _HF_RENAMES = {"attn_norm.": "input_layernorm.", "mlp_norm.": "post_attention_la
 
 class StandaloneDrafter(Drafter):
     paradigm = "standalone"
+    causal_lm = True   # reads only tokens: teacher-forced training needs step 0 alone (`unroll`)
     self_attention = HiddenDrafter.self_attention   # step 0's keys join the prefix; later steps add diagonals
 
     def __init__(self, cfg):
