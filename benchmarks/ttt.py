@@ -62,13 +62,14 @@ def reference_attend(self, q, prefix, mask, diag):
 
 
 @contextlib.contextmanager
-def reference_attention():
-    fast = Attention.attend
-    Attention.attend = reference_attend
+def reference_trainer(model):
+    """EAGLE-3's attention, and every step run explicitly (no causal-LM one-pass shortcut)."""
+    fast, causal_lm = Attention.attend, model.causal_lm
+    Attention.attend, model.causal_lm = reference_attend, False
     try:
         yield
     finally:
-        Attention.attend = fast
+        Attention.attend, model.causal_lm = fast, causal_lm
 
 
 def reference_loss(model, batch, head_w, steps, decay):
@@ -77,7 +78,7 @@ def reference_loss(model, batch, head_w, steps, decay):
     vocab (renormalized, so the loss is ours) and masks with t2d; the drafter runs every
     position of every step with the per-step cache attention."""
     target_logits = batch["last_hidden"] @ head_w.T                     # [B, T, V], as the target gives it
-    with reference_attention():
+    with reference_trainer(model):
         un = unroll(model, batch, steps)
     total = 0.0
     for k in range(steps):

@@ -157,14 +157,14 @@ def test_variant_config_merges_train_overrides(tiny):
     assert v["train"]["max_steps"] == 9 and v["train"]["lr"] == cfg["drafters"]["train"]["lr"]
 
 
-@pytest.mark.parametrize("block_rows", [64, 8])
+@pytest.mark.parametrize("block_rows", [None, 8])
 @pytest.mark.parametrize("paradigm", list(VARIANTS))
 def test_skipping_unlabelled_anchors_keeps_loss_and_gradients(setup, paradigm, block_rows, monkeypatch):
     """Training drops anchors with no label at any step (after step 0 for the paradigms whose
     step-0 keys are a shared prefix) and packs the batch: same loss, counts and gradients."""
     from kvshot.drafters import skeleton
 
-    monkeypatch.setattr(skeleton, "BLOCK_ROWS", block_rows)   # 8: packed blocks start past other sequences' keys
+    monkeypatch.setattr(skeleton, "BLOCK_ROWS", block_rows)   # 8: sequences split further into row blocks
     src, target, _ = setup
     model = make(setup, paradigm).train()
     batch = src.batch([0, 1, 2, 3])          # different lengths: padding, user turns unlabelled
@@ -207,6 +207,9 @@ def test_row_blocks_skip_only_keys_they_cannot_see():
     valid = torch.ones(b, t, dtype=torch.bool)
     valid[1, 250:] = False                                  # a shorter second sequence
     visible = (anchors[:, None, :] <= anchors[:, :, None]) & valid[:, None, :]
-    blocked, whole = prefix_mask(visible, torch.float32, block_rows=64), prefix_mask(visible, torch.float32, 10_000)
+    blocked, whole = prefix_mask(visible, torch.float32, block_rows=64), prefix_mask(visible, torch.float32)
     assert len(blocked.blocks) == 5 and blocked.blocks[0] == (0, 64, 0, 64) and len(whole.blocks) == 1
     torch.testing.assert_close(attn.attend(q, prefix, blocked, diag), attn.attend(q, prefix, whole, diag))
+    segmented = prefix_mask(visible, torch.float32, segments=[(0, 100), (100, 300)])
+    assert [b[:2] for b in segmented.blocks] == [(0, 100), (100, 300)] and segmented.blocks[0][3] == 100
+    torch.testing.assert_close(attn.attend(q, prefix, segmented, diag), attn.attend(q, prefix, whole, diag))

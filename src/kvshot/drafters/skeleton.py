@@ -172,24 +172,28 @@ class PrefixMask:
         return self._cast[dtype]
 
 
-BLOCK_ROWS = 64   # query rows per attention block in training (a block reads the keys it can see)
+BLOCK_ROWS: int | None = None   # split attention row blocks further (None: one block per packed sequence)
 
 
-def prefix_mask(visible: Tensor, dtype: torch.dtype, block_rows: int | None = None) -> PrefixMask:
-    """visible [B, Tq, Tp] -> PrefixMask. Blocks only pay off for many rows (training)."""
+def prefix_mask(visible: Tensor, dtype: torch.dtype, segments: list[tuple[int, int]] | None = None,
+                block_rows: int | None = None) -> PrefixMask:
+    """visible [B, Tq, Tp] -> PrefixMask. `segments`: row ranges of one packed sequence each
+    (None: one block); each block reads only the span of keys it can see, so packed rows
+    skip the other sequences' keys and a sequence's rows skip its keys past their anchors."""
     b, tq, tp = visible.shape
     block_rows = block_rows or BLOCK_ROWS
     bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
-    if tq < 2 * block_rows:
+    ranges = [(r0, r1) for s0, s1 in (segments or [(0, tq)])
+              for r0 in range(s0, s1, block_rows or s1 - s0) for r1 in [min(r0 + (block_rows or s1 - s0), s1)]]
+    if ranges == [(0, tq)]:
         return PrefixMask(bias[:, None, None], [(0, tq, 0, tp)])
     seen = visible.any(0)                                                # [Tq, Tp]
     cols = torch.arange(tp, device=visible.device)
-    first = torch.where(seen, cols, tp).amin(-1)                         # [Tq] first visible key (tp: none)
-    last = torch.where(seen, cols, -1).amax(-1)                          # [Tq] last visible key (-1: none)
+    first = torch.where(seen, cols, tp).amin(-1).tolist()               # per row: first visible key (tp: none)
+    last = torch.where(seen, cols, -1).amax(-1).tolist()                # per row: last visible key (-1: none)
     blocks = []
-    for r0 in range(0, tq, block_rows):
-        r1 = min(r0 + block_rows, tq)
-        k0, k1 = int(first[r0:r1].min()), int(last[r0:r1].max()) + 1
+    for r0, r1 in ranges:
+        k0, k1 = min(first[r0:r1]), max(last[r0:r1]) + 1
         blocks.append((r0, r1, *((k0, k1) if k1 > k0 else (0, tp))))    # a block that sees nothing: as before
     return PrefixMask(bias[:, None, None], blocks)
 
@@ -272,12 +276,20 @@ class StepState:
             vis = vis & (self.prefix_seq[slot][:, None, :] == self.row_seq[:, :, None])
         return vis
 
+    def segments(self) -> list[tuple[int, int]] | None:
+        """Packed rows: the row range of each sequence (rows are in sequence order)."""
+        if self.row_seq is None:
+            return None
+        seq = self.row_seq[0]
+        starts = [0] + (torch.nonzero(seq[1:] != seq[:-1]).view(-1) + 1).tolist() + [len(seq)]
+        return list(zip(starts[:-1], starts[1:]))
+
     def mask(self, slot: int, dtype: torch.dtype) -> PrefixMask:
         """`visible` as a PrefixMask, rebuilt only when the prefix or the rows change."""
         built_from = (self.prefix_anchor[slot], self.prefix_valid[slot], self.anchors)
         cached = self._masks.get(slot)
         if cached is None or any(a is not b for a, b in zip(cached[0], built_from)):
-            cached = (built_from, prefix_mask(self.visible(slot), dtype))
+            cached = (built_from, prefix_mask(self.visible(slot), dtype, self.segments()))
             self._masks[slot] = cached
         return cached[1]
 
