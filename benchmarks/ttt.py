@@ -80,7 +80,7 @@ def reference_loss(model, batch, head_w, steps, decay):
     target_logits = batch["last_hidden"] @ head_w.T                     # [B, T, V], as the target gives it
     with reference_trainer(model):
         un = unroll(model, batch, steps)
-    total = 0.0
+    total, accs = 0.0, []
     for k in range(steps):
         logits_t = shift(target_logits, k + 1)
         p_full = torch.softmax(logits_t.float(), dim=-1)
@@ -92,7 +92,7 @@ def reference_loss(model, batch, head_w, steps, decay):
         ce = -(p * F.log_softmax(un.logits[k].float(), dim=-1)).sum(-1)
         total = total + decay ** k * (ce * mask).sum() / mask.sum().clamp(min=1)
         with torch.no_grad():   # EAGLE-3 logs acc at every step (ours: the trainer's acc_k)
-            acc = ((un.logits[k].argmax(-1) == p.argmax(-1)) & mask).sum().item() / (valid.sum().item() + 1e-6)
+            accs.append(((un.logits[k].argmax(-1) == p.argmax(-1)) & mask).sum().item() / (valid.sum().item() + 1e-6))
     return total
 
 
