@@ -101,8 +101,6 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
     ids = batch["input_ids"].long()
     b, t = ids.shape
     loss_mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-    rows = labelled_rows(loss_mask, steps) if skip_unlabelled and not (own_tokens or keep_queries) else None
-    first_packed = 1 if drafter.prefix_from_step0 else 0
     state = drafter.begin(context(batch), torch.arange(t, device=ids.device).expand(b, -1))
     out = Unrolled([], [], [])
     if drafter.causal_lm and not own_tokens:
@@ -114,6 +112,8 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
             out.rows.append(None)
             out.anchors.append(None)
         return out
+    rows = labelled_rows(loss_mask, steps) if skip_unlabelled and not (own_tokens or keep_queries) else None
+    first_packed = 1 if drafter.prefix_from_step0 else 0
     packed = None
     for k in range(steps):
         if rows is not None and k == first_packed:

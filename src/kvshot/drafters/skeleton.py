@@ -138,7 +138,7 @@ class Attention(nn.Module):
         qg = (q * (1.0 / math.sqrt(d))).view(b, self.n_kv, group, tq, d)
         dk = torch.stack([x.k for x in diag], dim=-2) if diag else None    # [B, Hkv, Tq, S, D]
         dv = torch.stack([x.v for x in diag], dim=-2) if diag else None
-        bias = mask.bias_as(q.dtype)
+        bias = mask.bias
         outs = []
         for r0, r1, k0, k1 in mask.blocks:
             qb = qg[:, :, :, r0:r1]
@@ -162,14 +162,6 @@ class PrefixMask:
 
     bias: Tensor                               # [B, 1, 1, Tq, Tp]: 0 where visible, -inf elsewhere
     blocks: list[tuple[int, int, int, int]]    # (first row, end row, first key, end key)
-    _cast: dict = field(default_factory=dict, repr=False)
-
-    def bias_as(self, dtype: torch.dtype) -> Tensor:
-        if dtype == self.bias.dtype:
-            return self.bias
-        if dtype not in self._cast:
-            self._cast[dtype] = self.bias.to(dtype)
-        return self._cast[dtype]
 
 
 BLOCK_ROWS: int | None = None   # split attention row blocks further (None: one block per packed sequence)
@@ -233,7 +225,10 @@ class StepState:
         """Keep only some query rows (decoding: after step 0 over the newly accepted tokens,
         only the last anchor drafts on; tree children take their parent's row). Prefix
         caches are untouched."""
-        take = lambda x, dim: x[(slice(None),) * dim + (rows,)]
+        self._take_rows(lambda x, dim: x[(slice(None),) * dim + (rows,)])
+
+    def _take_rows(self, take) -> None:
+        """Apply `take(tensor, row_dim)` to everything indexed by query row."""
         self.anchors = take(self.anchors, 1)
         if self.hidden is not None:
             self.hidden = take(self.hidden, 1)
@@ -259,12 +254,7 @@ class StepState:
         self.prefix = [None if p is None else Keys(concat(p.k, 2), concat(p.v, 2)) for p in self.prefix]
         self.prefix_anchor = [None if a is None else concat(a, 1) for a in self.prefix_anchor]
         self.prefix_valid = [None if v is None else concat(v, 1) for v in self.prefix_valid]
-        self.anchors = take(self.anchors, 1)
-        if self.hidden is not None:
-            self.hidden = take(self.hidden, 1)
-        self.diag = [[Keys(take(d.k, 2), take(d.v, 2)) for d in slot] for slot in self.diag]
-        if self.extra.get("valid") is not None:
-            self.extra["valid"] = take(self.extra["valid"], 1)
+        self._take_rows(take)
 
     def visible(self, slot: int) -> Tensor:
         """[B, Tq, Tp]: a prefix key is visible to an anchor computed no later than it (packed:
