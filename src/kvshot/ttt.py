@@ -51,7 +51,7 @@ class Unrolled:
     logits: list[Tensor]       # per step [B, T, N] (packed: [1, R, N])
     valid: list[Tensor]        # per step [B, T] bool: x_{t+k+2} exists and is an assistant token
     queries: list[list[Tensor]]  # per step, per KV attention: pre-RoPE normed query [B, H, T, D]
-    rows: list[Tensor | None] = field(default_factory=list)      # per step: packed rows b * T + t (None: every anchor)
+    rows: list[Tensor | None] = field(default_factory=list)      # per step: the logits' rows b * T + t (None: every anchor)
     anchors: list[Tensor | None] = field(default_factory=list)   # per step: packed rows' anchors t [1, R]
 
 
@@ -97,7 +97,8 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
     skip_unlabelled: anchors with no label at any step are dropped (from step 1 on for a
     paradigm whose step-0 keys are every anchor's prefix) and the rest of the batch packed
     into one row list (`StepState.pack`): the loss and its gradient are the same, the work
-    is not. Logits are then [1, R, N] for the rows `Unrolled.rows`."""
+    is not; the head runs only on the rows step k scores. Logits are then [1, R_k, N] for
+    the rows `Unrolled.rows[k]`."""
     ids = batch["input_ids"].long()
     b, t = ids.shape
     loss_mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
@@ -112,11 +113,13 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
             out.rows.append(None)
             out.anchors.append(None)
         return out
-    rows = labelled_rows(loss_mask, steps) if skip_unlabelled and not (own_tokens or keep_queries) else None
-    first_packed = 1 if drafter.prefix_from_step0 else 0
+    scoring_only = skip_unlabelled and not (own_tokens or keep_queries)
+    rows = labelled_rows(loss_mask, steps) if scoring_only else None
     packed = None
+    if rows is not None and drafter.prefix_from_step0:
+        state.pack_after_prefix = rows   # step 0 packs once its keys are the prefix (or step 1 does)
     for k in range(steps):
-        if rows is not None and k == first_packed:
+        if rows is not None and packed is None and (k > 0 or not drafter.prefix_from_step0):
             state.pack(rows)
             packed = rows
         if own_tokens and k > 0:
@@ -124,8 +127,18 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
         else:
             tokens = at_rows(ids, packed, k + 1)
         h = drafter.step(state, tokens, state.anchors + k + 1, k)
+        if rows is not None and packed is None and state.row_seq is not None:   # packed within step 0
+            packed = rows
+        valid = at_rows(loss_mask, packed, k + 2, False)
+        if scoring_only:   # the head and the loss only where step k has a label
+            keep = valid.flatten().nonzero().view(-1)
+            out.logits.append(drafter.logits(h.reshape(-1, h.shape[-1])[keep][None]))
+            out.valid.append(valid.flatten()[keep][None])
+            out.rows.append((torch.arange(b * t, device=ids.device) if packed is None else packed)[keep])
+            out.anchors.append(state.anchors.flatten()[keep][None])
+            continue
         out.logits.append(drafter.logits(h))
-        out.valid.append(at_rows(loss_mask, packed, k + 2, False))
+        out.valid.append(valid)
         out.rows.append(packed)
         out.anchors.append(None if packed is None else state.anchors)
         if keep_queries:

@@ -43,7 +43,7 @@ class HybridDrafter(HiddenDrafter):
         gates = self.gate()
         n = len(self.layers)
         for i in range(n):
-            h = self.hidden_layer(state, i, emb, h, rot, k)
+            h, rot = self.hidden_layer(state, i, emb, h, rot, k)
             delta = kv_attention(state, n + i, self.kv_attns[i], self.kv_norms[i](h), rot)
             h = h + gates[i] * delta
         state.hidden = h

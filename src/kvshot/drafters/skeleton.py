@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from ..io import atomic_dir, write_json
+from .block_attention import block_attention, flash_block_attention
 
 
 @dataclass
@@ -139,17 +140,19 @@ class Attention(nn.Module):
         dk = torch.stack([x.k for x in diag], dim=-2) if diag else None    # [B, Hkv, Tq, S, D]
         dv = torch.stack([x.v for x in diag], dim=-2) if diag else None
         bias = mask.bias
+        flash = FLASH_ON_CPU and q.device.type == "cpu" and q.dtype == torch.float32
         outs = []
-        for r0, r1, k0, k1 in mask.blocks:
-            qb = qg[:, :, :, r0:r1]
-            scores = [torch.einsum("bngqd,bnkd->bngqk", qb, prefix.k[:, :, k0:k1]) + bias[:, :, :, r0:r1, k0:k1]]
-            if diag:
-                scores.append(torch.einsum("bngqd,bnqsd->bngqs", qb, dk[:, :, r0:r1]))
-            probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
-            out = torch.einsum("bngqk,bnkd->bngqd", probs[..., :k1 - k0], prefix.v[:, :, k0:k1])
-            if diag:
-                out = out + torch.einsum("bngqs,bnqsd->bngqd", probs[..., k1 - k0:], dv[:, :, r0:r1])
-            outs.append(out)
+        for i, (r0, r1, k0, k1) in enumerate(mask.blocks):
+            kb, vb = prefix.k[:, :, k0:k1], prefix.v[:, :, k0:k1]
+            dkb = None if dk is None else dk[:, :, r0:r1]
+            dvb = None if dv is None else dv[:, :, r0:r1]
+            if flash:
+                rows_bias, blind = mask.flash_bias(i, group)
+                qb = qg[:, :, :, r0:r1].reshape(b, self.n_kv, group * (r1 - r0), d)
+                outs.append(flash_block_attention(qb, kb, vb, rows_bias, blind, dkb, dvb).view(
+                    b, self.n_kv, group, r1 - r0, d))
+            else:
+                outs.append(block_attention(qg[:, :, :, r0:r1], kb, vb, bias[:, :, :, r0:r1, k0:k1], dkb, dvb))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
         return self.o_proj(out.reshape(b, h, tq, d).transpose(1, 2).reshape(b, tq, h * d))
 
@@ -162,9 +165,22 @@ class PrefixMask:
 
     bias: Tensor                               # [B, 1, 1, Tq, Tp]: 0 where visible, -inf elsewhere
     blocks: list[tuple[int, int, int, int]]    # (first row, end row, first key, end key)
+    _flash: dict = field(default_factory=dict, repr=False)
+
+    def flash_bias(self, i: int, group: int) -> tuple[Tensor, Tensor | None]:
+        """Block i's bias for the fused kernel, whose rows are (head in group, row) [B, 1,
+        G * R, Tk], and its rows that see no key (None: there are none); built once."""
+        if (i, group) not in self._flash:
+            r0, r1, k0, k1 = self.blocks[i]
+            bias = self.bias[:, 0, 0, r0:r1, k0:k1]
+            rows = bias[:, None].expand(-1, group, -1, -1).reshape(bias.shape[0], 1, group * (r1 - r0), k1 - k0)
+            blind = torch.isinf(rows).all(-1)
+            self._flash[(i, group)] = (rows, blind if bool(blind.any()) else None)
+        return self._flash[(i, group)]
 
 
 BLOCK_ROWS: int | None = None   # split attention row blocks further (None: one block per packed sequence)
+FLASH_ON_CPU = True             # fp32 on CPU: PyTorch's fused flash kernel for the prefix keys
 
 
 def prefix_mask(visible: Tensor, dtype: torch.dtype, segments: list[tuple[int, int]] | None = None,
@@ -218,6 +234,7 @@ class StepState:
     extra: dict = field(default_factory=dict)
 
     row_seq: Tensor | None = None         # packed rows: [1, Tq] the sequence of each row
+    pack_after_prefix: Tensor | None = None   # rows to pack once step 0 has written every prefix key
     prefix_seq: list[Tensor | None] = field(default_factory=list)   # packed: per layer [1, Tp] each key's sequence
     _masks: dict = field(default_factory=dict, repr=False)   # slot -> (what it was built from, PrefixMask)
 
@@ -236,10 +253,11 @@ class StepState:
         if self.extra.get("valid") is not None:
             self.extra["valid"] = take(self.extra["valid"], 1)
 
-    def pack(self, rows: Tensor) -> None:
+    def pack(self, rows: Tensor):
         """Training: keep the query rows `rows` (flat indices b * Tq + r, ascending) as one
         packed sequence [1, R]. Every sequence's prefix is concatenated into one [1, B * Tp]
-        and visibility also asks for the same sequence, so no row is padded to the longest."""
+        and visibility also asks for the same sequence, so no row is padded to the longest.
+        Returns `take(x, row_dim)`, which packs any other per-row tensor the same way."""
         b, tq = self.anchors.shape
 
         def take(x: Tensor, dim: int) -> Tensor:   # rows along `dim` -> one packed row dim
@@ -255,6 +273,8 @@ class StepState:
         self.prefix_anchor = [None if a is None else concat(a, 1) for a in self.prefix_anchor]
         self.prefix_valid = [None if v is None else concat(v, 1) for v in self.prefix_valid]
         self._take_rows(take)
+        self.pack_after_prefix = None
+        return take
 
     def visible(self, slot: int) -> Tensor:
         """[B, Tq, Tp]: a prefix key is visible to an anchor computed no later than it (packed:

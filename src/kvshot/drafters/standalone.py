@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from .hidden import HiddenDrafter
+from .hidden import self_attention
 from .skeleton import DecoderLayer, Drafter, StepState
 
 # our layer norms' names in a Qwen3 decoder layer; every other name is the same
@@ -19,7 +19,6 @@ _HF_RENAMES = {"attn_norm.": "input_layernorm.", "mlp_norm.": "post_attention_la
 class StandaloneDrafter(Drafter):
     paradigm = "standalone"
     causal_lm = True   # reads only tokens: teacher-forced training needs step 0 alone (`unroll`)
-    self_attention = HiddenDrafter.self_attention   # step 0's keys join the prefix; later steps add diagonals
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -46,7 +45,7 @@ class StandaloneDrafter(Drafter):
     def step(self, state: StepState, input_ids: Tensor, positions: Tensor, k: int) -> Tensor:
         h, rot = self.embed_tokens(input_ids), self.rotary(positions)
         for i, layer in enumerate(self.layers):
-            h = h + self.self_attention(state, i, layer, h, rot, k, state.extra.get("valid"))
+            h = h + self_attention(state, i, layer, h, rot, k, state.extra.get("valid"))   # step 0: prefix keys
             h = layer.mlp_block(h)
         return h
 
