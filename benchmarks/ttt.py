@@ -75,8 +75,10 @@ def reference_trainer(model):
 def reference_loss(model, batch, head_w, steps, decay):
     """EAGLE-3's trainer: the target's full-vocabulary logits come with the batch; every step
     shifts them (padding), takes the full-vocabulary softmax and argmax, indexes the draft
-    vocab (renormalized, so the loss is ours) and masks with t2d; the drafter runs every
-    position of every step with the per-step cache attention."""
+    vocab (renormalized, so the loss is ours) and masks with t2d; the loss multiplies the
+    position mask into p * log q before the vocabulary sum (`position_mask * plogp`), and is
+    normalized by the scored count as ours is; the drafter runs every position of every
+    step with the per-step cache attention."""
     target_logits = batch["last_hidden"] @ head_w.T                     # [B, T, V], as the target gives it
     with reference_trainer(model):
         un = unroll(model, batch, steps)
@@ -89,8 +91,9 @@ def reference_loss(model, batch, head_w, steps, decay):
         greedy = p_full.argmax(-1)
         valid = shift(batch["loss_mask"].bool() & batch["attention_mask"].bool(), k + 2, False)
         mask = valid & model.t2d[greedy]
-        ce = -(p * F.log_softmax(un.logits[k].float(), dim=-1)).sum(-1)
-        total = total + decay ** k * (ce * mask).sum() / mask.sum().clamp(min=1)
+        plogp = p * F.log_softmax(un.logits[k].float(), dim=-1)
+        ce = -(mask[..., None] * plogp).sum(-1)      # EAGLE-3 masks the [B, T, V] product
+        total = total + decay ** k * ce.sum() / mask.sum().clamp(min=1)
         with torch.no_grad():   # EAGLE-3 logs acc at every step (ours: the trainer's acc_k)
             accs.append(((un.logits[k].argmax(-1) == p.argmax(-1)) & mask).sum().item() / (valid.sum().item() + 1e-6))
     return total

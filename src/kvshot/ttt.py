@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .drafters import Drafter
+from .drafters.fused import soft_cross_entropy
 
 
 def shift(x: Tensor, n: int, fill=0) -> Tensor:
@@ -67,7 +68,7 @@ def at_rows(x: Tensor, rows: Tensor | None, n: int, fill=0) -> Tensor:
     return out[None]
 
 
-def labelled_rows(loss_mask: Tensor, steps: int, keep_share: float = 0.9) -> Tensor | None:
+def labelled_rows(loss_mask: Tensor, steps: int, keep_share: float = 0.98) -> Tensor | None:
     """Flat indices b * T + t (ascending) of the anchors with a label at some step
     (x_{t+k+2} an assistant token for some k < steps); None when nearly every anchor has
     one (packing would not pay)."""
@@ -164,7 +165,7 @@ def step_losses(drafter: Drafter, un: Unrolled, batch: dict[str, Tensor], labels
         greedy = at_rows(labels.argmax, rows, k + 1)
         valid = un.valid[k]
         mask = valid & drafter.t2d[greedy]
-        ce = -(probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+        ce = soft_cross_entropy(logits, probs)
         n = mask.sum()
         denom = denominators[k] if denominators is not None else n.clamp(min=1)
         losses.append((ce * mask).sum() / denom)

@@ -89,52 +89,89 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-class FlashBlockAttention(torch.autograd.Function):
-    """The same attention on CPU through PyTorch's fused flash kernel for the prefix keys, which
-    returns their logsumexp; the diagonal keys are merged in by logsumexp. The backward hands
-    the kernel the joint output and logsumexp, so its probabilities are the joint ones and
-    it returns the prefix keys' share of the joint gradient; the diagonal share is added here.
-    q [B, N, G * R, D] (scaled), k, v [B, N, Tk, D], bias [B, 1, G * R, Tk] or None,
-    blind [B, 1, G * R] (rows that see no prefix key) or None, dk, dv [B, N, R, S, D] or None."""
+def _flash_block_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, blind: Tensor | None,
+                         dk: Tensor | None, dv: Tensor | None):
+    """One block: q [B, N, G * R, D], k, v [B, N, Tk, D], dk, dv [B, N, R, S, D] -> the joint
+    output, the joint logsumexp, and the diagonal keys' probabilities [B, N, G, R, S]."""
+    out, lse = _flash(q, k, v, attn_mask=bias, scale=1.0)             # lse [B, N, G * R]
+    if dk is None:
+        return out, lse, None
+    b, n, rows, d = q.shape
+    r = dk.shape[2]
+    if blind is not None:   # the kernel gives a row that sees no prefix key lse 0 and output 0
+        lse = lse.masked_fill(blind, float("-inf"))
+    # a few keys per row: broadcast products beat batched tiny matmuls here
+    diag = (q.view(b, n, rows // r, r, 1, d) * dk[:, :, None]).sum(-1)   # [B, N, G, R, S]
+    lse5 = lse.view(b, n, rows // r, r, 1)
+    top = torch.maximum(diag.amax(-1, keepdim=True), lse5)
+    diag.sub_(top).exp_()
+    prefix_share = lse5.sub(top).exp_()
+    total = diag.sum(-1, keepdim=True).add_(prefix_share)
+    diag.div_(total)
+    prefix_share.div_(total)
+    out = (out.view(b, n, rows // r, r, d) * prefix_share).add_((diag[..., None] * dv[:, :, None]).sum(-2))
+    return out.view(b, n, rows, d), total.log_().add_(top).view_as(lse), diag
+
+
+class FlashAttention(torch.autograd.Function):
+    """Every row block of one attention call through PyTorch's fused CPU flash kernel for the
+    prefix keys, which also returns their logsumexp; the diagonal keys are merged in by
+    logsumexp. The backward hands the kernel the joint output and logsumexp, so its
+    probabilities are the joint ones and it returns the prefix keys' share of the joint
+    gradient; the diagonal share is added here. One autograd node for all blocks, so no
+    block pays for zero-filled gradients of the whole tensors.
+    q [B, N, G, Tq, D] (scaled), k, v [B, N, Tp, D], dk, dv [B, N, Tq, S, D] or None;
+    blocks: (first row, end row, first key, end key, bias [B, 1, G * R, Tk], blind or None)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, blind: Tensor | None,
-                dk: Tensor | None, dv: Tensor | None):
-        out, lse = _flash(q, k, v, attn_mask=bias, scale=1.0)             # lse [B, N, G * R]
-        diag = None
-        if dk is not None:
-            b, n, rows, d = q.shape
-            r = dk.shape[2]
-            if blind is not None:   # the kernel gives such a row lse 0 and output 0
-                lse = lse.masked_fill(blind, float("-inf"))
-            diag_scores = _diag_scores(q.view(b, n, rows // r, r, d), dk)   # [B, N, G, R, S]
-            joint = torch.logaddexp(lse.view(b, n, rows // r, r), torch.logsumexp(diag_scores, -1))
-            prefix_share = torch.exp(lse.view_as(joint) - joint)
-            diag = torch.exp(diag_scores - joint[..., None])
-            out = (out.view(b, n, rows // r, r, d) * prefix_share[..., None]
-                   + torch.einsum("bngrs,bnrsd->bngrd", diag, dv)).view(b, n, rows, d)
-            lse = joint.view_as(lse)
-        ctx.save_for_backward(q, k, v, bias, dk, dv, diag, out, lse)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, dk: Tensor | None, dv: Tensor | None, blocks: list) -> Tensor:
+        b, n, g, tq, d = q.shape
+        out = q.new_empty(b, n, g, tq, d)
+        saved = []
+        for r0, r1, k0, k1, bias, blind in blocks:
+            qb = q[:, :, :, r0:r1].reshape(b, n, g * (r1 - r0), d)
+            kb, vb = k[:, :, k0:k1], v[:, :, k0:k1]
+            dkb = None if dk is None else dk[:, :, r0:r1]
+            dvb = None if dv is None else dv[:, :, r0:r1]
+            ob, lse, diag = _flash_block_forward(qb, kb, vb, bias, blind, dkb, dvb)
+            out[:, :, :, r0:r1] = ob.view(b, n, g, r1 - r0, d)
+            saved.append((qb, ob, lse, diag))
+        ctx.blocks, ctx.saved = blocks, saved
+        ctx.save_for_backward(k, v, dk, dv)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, k, v, bias, dk, dv, diag, out, lse = ctx.saved_tensors
-        go = grad_out.contiguous()
-        grad_q, grad_k, grad_v = _flash_backward(go, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=1.0)
-        grad_dk = grad_dv = None
-        if diag is not None:
-            b, n, rows, d = q.shape
-            r = dk.shape[2]
-            go5, q5 = go.view(b, n, rows // r, r, d), q.view(b, n, rows // r, r, d)
-            row_dot = (go * out).sum(-1).view(b, n, rows // r, r, 1)
-            d_diag = (_diag_scores(go5, dv) - row_dot) * diag
-            grad_q = grad_q + torch.einsum("bngrs,bnrsd->bngrd", d_diag, dk).reshape(b, n, rows, d)
-            grad_dk = torch.einsum("bngrs,bngrd->bnrsd", d_diag, q5)
-            grad_dv = torch.einsum("bngrs,bngrd->bnrsd", diag, go5)
-        return grad_q, grad_k, grad_v, None, None, grad_dk, grad_dv
+        k, v, dk, dv = ctx.saved_tensors
+        b, n, g, tq, d = grad_out.shape
+        need_q, need_k, need_v, need_dk, need_dv, _ = ctx.needs_input_grad
+        grad_q = grad_out.new_empty(b, n, g, tq, d)
+        grad_k = torch.zeros_like(k) if need_k else None
+        grad_v = torch.zeros_like(v) if need_v else None
+        grad_dk = torch.empty_like(dk) if dk is not None and need_dk else None
+        grad_dv = torch.empty_like(dv) if dv is not None and need_dv else None
+        for (r0, r1, k0, k1, bias, blind), (qb, ob, lse, diag) in zip(ctx.blocks, ctx.saved):
+            rows = r1 - r0
+            go = grad_out[:, :, :, r0:r1].reshape(b, n, g * rows, d)
+            gq, gk, gv = _flash_backward(go, qb, k[:, :, k0:k1], v[:, :, k0:k1], ob, lse, 0.0, False,
+                                         attn_mask=bias, scale=1.0)
+            if diag is not None:
+                go6, q6 = go.view(b, n, g, rows, 1, d), qb.view(b, n, g, rows, 1, d)
+                row_dot = (go * ob).sum(-1).view(b, n, g, rows, 1)
+                d_diag = (go6 * dv[:, :, None, r0:r1]).sum(-1).sub_(row_dot).mul_(diag)[..., None]   # [B, N, G, R, S, 1]
+                gq = gq.view(b, n, g, rows, d).add_((d_diag * dk[:, :, None, r0:r1]).sum(-2))
+                if grad_dk is not None:
+                    grad_dk[:, :, r0:r1] = (d_diag * q6).sum(2)
+                if grad_dv is not None:
+                    grad_dv[:, :, r0:r1] = (diag[..., None] * go6).sum(2)
+            grad_q[:, :, :, r0:r1] = gq.view(b, n, g, rows, d)
+            if grad_k is not None:
+                grad_k[:, :, k0:k1] += gk
+            if grad_v is not None:
+                grad_v[:, :, k0:k1] += gv
+        ctx.saved = None
+        return grad_q if need_q else None, grad_k, grad_v, grad_dk, grad_dv, None
 
 
-def flash_block_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, blind: Tensor | None = None,
-                          dk: Tensor | None = None, dv: Tensor | None = None) -> Tensor:
-    return FlashBlockAttention.apply(q, k, v, bias, blind, dk, dv)
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, dk: Tensor | None, dv: Tensor | None, blocks: list) -> Tensor:
+    return FlashAttention.apply(q, k, v, dk, dv, blocks)

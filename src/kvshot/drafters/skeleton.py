@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from ..io import atomic_dir, write_json
-from .block_attention import block_attention, flash_block_attention
+from .block_attention import block_attention, flash_attention
+from .fused import rms_norm
 
 
 @dataclass
@@ -60,15 +61,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32:   # one fused op (forward and backward)
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if x.dtype == torch.float32:   # a closed-form backward (`fused`)
+            return rms_norm(x, self.weight, self.eps)
         # Qwen3: normalize in fp32, scale in the input dtype
         return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype) * self.weight
 
 
 @dataclass
 class Rotary:
-    """cos/sin tables [B, 1, T, D] for one step's positions, computed once for every layer."""
+    """cos/sin tables [B, 1, T, D] for one step's positions, computed once for every layer;
+    the sin table carries rotate-half's sign (-sin on the first half)."""
 
     cos: Tensor
     sin: Tensor
@@ -78,14 +80,14 @@ def rotary(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     angles = positions.to(torch.float32)[..., None] * inv_freq          # [B, T, D/2]
     emb = torch.cat([angles, angles], dim=-1)[:, None]                  # [B, 1, T, D]
-    return Rotary(emb.cos().to(dtype), emb.sin().to(dtype))
+    sin = emb.sin()
+    sin[..., : head_dim // 2].neg_()
+    return Rotary(emb.cos().to(dtype), sin.to(dtype))
 
 
 def rope(x: Tensor, rot: Rotary) -> Tensor:
-    """Rotate x [B, H, T, D]; the rotate-half form Qwen3 uses."""
-    d = x.shape[-1]
-    rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
-    return x * rot.cos + rotated * rot.sin
+    """Rotate x [B, H, T, D]; the rotate-half form Qwen3 uses: x cos + [-x2, x1] sin."""
+    return torch.addcmul(x * rot.cos, x.roll(x.shape[-1] // 2, -1), rot.sin)
 
 
 class SwiGLU(nn.Module):
@@ -140,19 +142,14 @@ class Attention(nn.Module):
         dk = torch.stack([x.k for x in diag], dim=-2) if diag else None    # [B, Hkv, Tq, S, D]
         dv = torch.stack([x.v for x in diag], dim=-2) if diag else None
         bias = mask.bias
-        flash = FLASH_ON_CPU and q.device.type == "cpu" and q.dtype == torch.float32
+        if FLASH_ON_CPU and q.device.type == "cpu" and q.dtype == torch.float32:
+            out = flash_attention(qg, prefix.k, prefix.v, dk, dv, mask.flash_blocks(group))
+            return self.o_proj(out.reshape(b, h, tq, d).transpose(1, 2).reshape(b, tq, h * d))
         outs = []
-        for i, (r0, r1, k0, k1) in enumerate(mask.blocks):
-            kb, vb = prefix.k[:, :, k0:k1], prefix.v[:, :, k0:k1]
-            dkb = None if dk is None else dk[:, :, r0:r1]
-            dvb = None if dv is None else dv[:, :, r0:r1]
-            if flash:
-                rows_bias, blind = mask.flash_bias(i, group)
-                qb = qg[:, :, :, r0:r1].reshape(b, self.n_kv, group * (r1 - r0), d)
-                outs.append(flash_block_attention(qb, kb, vb, rows_bias, blind, dkb, dvb).view(
-                    b, self.n_kv, group, r1 - r0, d))
-            else:
-                outs.append(block_attention(qg[:, :, :, r0:r1], kb, vb, bias[:, :, :, r0:r1, k0:k1], dkb, dvb))
+        for r0, r1, k0, k1 in mask.blocks:
+            outs.append(block_attention(qg[:, :, :, r0:r1], prefix.k[:, :, k0:k1], prefix.v[:, :, k0:k1],
+                                        bias[:, :, :, r0:r1, k0:k1], None if dk is None else dk[:, :, r0:r1],
+                                        None if dv is None else dv[:, :, r0:r1]))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
         return self.o_proj(out.reshape(b, h, tq, d).transpose(1, 2).reshape(b, tq, h * d))
 
@@ -167,16 +164,18 @@ class PrefixMask:
     blocks: list[tuple[int, int, int, int]]    # (first row, end row, first key, end key)
     _flash: dict = field(default_factory=dict, repr=False)
 
-    def flash_bias(self, i: int, group: int) -> tuple[Tensor, Tensor | None]:
-        """Block i's bias for the fused kernel, whose rows are (head in group, row) [B, 1,
-        G * R, Tk], and its rows that see no key (None: there are none); built once."""
-        if (i, group) not in self._flash:
-            r0, r1, k0, k1 = self.blocks[i]
-            bias = self.bias[:, 0, 0, r0:r1, k0:k1]
-            rows = bias[:, None].expand(-1, group, -1, -1).reshape(bias.shape[0], 1, group * (r1 - r0), k1 - k0)
-            blind = torch.isinf(rows).all(-1)
-            self._flash[(i, group)] = (rows, blind if bool(blind.any()) else None)
-        return self._flash[(i, group)]
+    def flash_blocks(self, group: int) -> list:
+        """The blocks with their bias for the fused kernel, whose rows are (head in group, row):
+        (r0, r1, k0, k1, bias [B, 1, G * R, Tk], rows that see no key or None); built once."""
+        if group not in self._flash:
+            blocks = []
+            for r0, r1, k0, k1 in self.blocks:
+                bias = self.bias[:, 0, 0, r0:r1, k0:k1]
+                rows = bias[:, None].expand(-1, group, -1, -1).reshape(bias.shape[0], 1, group * (r1 - r0), k1 - k0)
+                blind = torch.isinf(rows).all(-1)
+                blocks.append((r0, r1, k0, k1, rows, blind if bool(blind.any()) else None))
+            self._flash[group] = blocks
+        return self._flash[group]
 
 
 BLOCK_ROWS: int | None = None   # split attention row blocks further (None: one block per packed sequence)

@@ -1,0 +1,61 @@
+"""Hand-written backward passes for the small per-row ops every drafter step runs many times.
+
+On a CPU, autograd over the composed ops of an RMSNorm (square, mean, add, rsqrt, two
+products) launches about twenty kernels per call, forward and backward; this keeps the
+normalized input and the per-row scale, and the backward is the closed form."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps) over the last dim (fp32)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        d = x.shape[-1]
+        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(d).add_(eps).rsqrt_()
+        x_hat = x * rstd
+        ctx.save_for_backward(x_hat, rstd, weight)
+        return x_hat * weight
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        x_hat, rstd, weight = ctx.saved_tensors
+        g = grad_y * weight
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad_y * x_hat).reshape(-1, x_hat.shape[-1]).sum(0)
+        # d x_hat: g - x_hat * mean(g * x_hat), scaled by rstd
+        proj = (g * x_hat).mean(-1, keepdim=True)
+        grad_x = g.sub_(x_hat * proj).mul_(rstd) if ctx.needs_input_grad[0] else None
+        return grad_x, grad_w, None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return RMSNormFunction.apply(x, weight, eps)
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """Per row -sum_v p_v log softmax(z)_v = logsumexp(z) - <p, z> for labels p that sum to 1,
+    in fp32 at least; the backward is softmax(z) - p without a log-softmax tensor in between."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, probs: Tensor) -> Tensor:
+        z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        ce = lse.squeeze(-1) - (probs * z).sum(-1)
+        ctx.save_for_backward(z, probs, lse)
+        ctx.logits_dtype = logits.dtype
+        return ce
+
+    @staticmethod
+    def backward(ctx, grad_ce: Tensor):
+        z, probs, lse = ctx.saved_tensors
+        grad = torch.sub(z, lse).exp_().sub_(probs).mul_(grad_ce[..., None])
+        return grad.to(ctx.logits_dtype), None
+
+
+def soft_cross_entropy(logits: Tensor, probs: Tensor) -> Tensor:
+    return SoftCrossEntropy.apply(logits, probs)
