@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from kvshot.config import read_config, runtime
 from kvshot.drafters.skeleton import Attention
@@ -39,6 +39,17 @@ from kvshot.train import build_variant
 from kvshot.ttt import shift, step_losses, target_labels, unroll, weighted_loss
 
 SPEEDUP_TARGET, PEAK_SHARE_TARGET = 2.0, 0.40
+
+
+# the flop counter knows the CUDA flash kernels, not the CPU one the trainer uses on fp32
+@register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
+def _flash_cpu_flop(query, key, value, *args, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+@register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+def _flash_cpu_backward_flop(grad_out, query, key, value, *args, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
 def reference_attend(self, q, prefix, mask, diag):

@@ -89,87 +89,82 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _flash_block_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, blind: Tensor | None,
-                         dk: Tensor | None, dv: Tensor | None):
-    """One block: q [B, N, G * R, D], k, v [B, N, Tk, D], dk, dv [B, N, R, S, D] -> the joint
-    output, the joint logsumexp, and the diagonal keys' probabilities [B, N, G, R, S]."""
-    out, lse = _flash(q, k, v, attn_mask=bias, scale=1.0)             # lse [B, N, G * R]
-    if dk is None:
-        return out, lse, None
-    b, n, rows, d = q.shape
-    r = dk.shape[2]
-    if blind is not None:   # the kernel gives a row that sees no prefix key lse 0 and output 0
-        lse = lse.masked_fill(blind, float("-inf"))
-    # a few keys per row: broadcast products beat batched tiny matmuls here
-    diag = (q.view(b, n, rows // r, r, 1, d) * dk[:, :, None]).sum(-1)   # [B, N, G, R, S]
-    lse5 = lse.view(b, n, rows // r, r, 1)
-    top = torch.maximum(diag.amax(-1, keepdim=True), lse5)
-    diag.sub_(top).exp_()
-    prefix_share = lse5.sub(top).exp_()
-    total = diag.sum(-1, keepdim=True).add_(prefix_share)
-    diag.div_(total)
-    prefix_share.div_(total)
-    out = (out.view(b, n, rows // r, r, d) * prefix_share).add_((diag[..., None] * dv[:, :, None]).sum(-2))
-    return out.view(b, n, rows, d), total.log_().add_(top).view_as(lse), diag
-
-
 class FlashAttention(torch.autograd.Function):
     """Every row block of one attention call through PyTorch's fused CPU flash kernel for the
-    prefix keys, which also returns their logsumexp; the diagonal keys are merged in by
-    logsumexp. The backward hands the kernel the joint output and logsumexp, so its
-    probabilities are the joint ones and it returns the prefix keys' share of the joint
-    gradient; the diagonal share is added here. One autograd node for all blocks, so no
-    block pays for zero-filled gradients of the whole tensors.
+    prefix keys, which also returns their logsumexp; the diagonal keys (per row, so done once
+    for all blocks) are merged in by logsumexp. The backward hands the kernel the joint
+    output and logsumexp, so its probabilities are the joint ones and it returns the prefix
+    keys' share of the joint gradient; the diagonal share is added here. One autograd node
+    for all blocks, so no block pays for zero-filled gradients of the whole tensors.
     q [B, N, G, Tq, D] (scaled), k, v [B, N, Tp, D], dk, dv [B, N, Tq, S, D] or None;
-    blocks: (first row, end row, first key, end key, bias [B, 1, G * R, Tk], blind or None)."""
+    blocks: (first row, end row, first key, end key, bias [B, 1, G * R, Tk], blind or None)
+    with blind [B, 1, G * R] the rows that see no prefix key."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, dk: Tensor | None, dv: Tensor | None, blocks: list) -> Tensor:
         b, n, g, tq, d = q.shape
-        out = q.new_empty(b, n, g, tq, d)
-        saved = []
+        whole = len(blocks) == 1
+        out = None if whole else q.new_empty(b, n, g, tq, d)
+        lse = None if whole else q.new_empty(b, n, g, tq)
         for r0, r1, k0, k1, bias, blind in blocks:
-            qb = q[:, :, :, r0:r1].reshape(b, n, g * (r1 - r0), d)
-            kb, vb = k[:, :, k0:k1], v[:, :, k0:k1]
-            dkb = None if dk is None else dk[:, :, r0:r1]
-            dvb = None if dv is None else dv[:, :, r0:r1]
-            ob, lse, diag = _flash_block_forward(qb, kb, vb, bias, blind, dkb, dvb)
-            out[:, :, :, r0:r1] = ob.view(b, n, g, r1 - r0, d)
-            saved.append((qb, ob, lse, diag))
-        ctx.blocks, ctx.saved = blocks, saved
-        ctx.save_for_backward(k, v, dk, dv)
+            rows = r1 - r0
+            ob, lb = _flash(q[:, :, :, r0:r1].reshape(b, n, g * rows, d), k[:, :, k0:k1], v[:, :, k0:k1],
+                            attn_mask=bias, scale=1.0)
+            if blind is not None and dk is not None:   # the kernel gives such a row lse 0 and output 0
+                lb = lb.masked_fill(blind, float("-inf"))
+            if whole:
+                out, lse = ob.view(b, n, g, tq, d), lb.view(b, n, g, tq)
+            else:
+                out[:, :, :, r0:r1] = ob.view(b, n, g, rows, d)
+                lse[:, :, :, r0:r1] = lb.view(b, n, g, rows)
+        diag = None
+        if dk is not None:
+            # a few keys per row: broadcast products beat batched tiny matmuls here
+            diag = (q[..., None, :] * dk[:, :, None]).sum(-1)                    # [B, N, G, Tq, S]
+            lse5 = lse[..., None]
+            top = torch.maximum(diag.amax(-1, keepdim=True), lse5)
+            diag.sub_(top).exp_()
+            prefix_share = lse5.sub(top).exp_()
+            total = diag.sum(-1, keepdim=True).add_(prefix_share)
+            diag.div_(total)
+            prefix_share.div_(total)
+            out = (out * prefix_share).add_((diag[..., None] * dv[:, :, None]).sum(-2))
+            lse = total.log_().add_(top).squeeze(-1)
+        ctx.blocks = blocks
+        ctx.save_for_backward(q, k, v, dk, dv, out, lse, diag)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        k, v, dk, dv = ctx.saved_tensors
-        b, n, g, tq, d = grad_out.shape
+        q, k, v, dk, dv, out, lse, diag = ctx.saved_tensors
+        b, n, g, tq, d = q.shape
         need_q, need_k, need_v, need_dk, need_dv, _ = ctx.needs_input_grad
-        grad_q = grad_out.new_empty(b, n, g, tq, d)
+        go = grad_out.contiguous()
+        whole = len(ctx.blocks) == 1
+        grad_q = None if whole else go.new_empty(b, n, g, tq, d)
         grad_k = torch.zeros_like(k) if need_k else None
         grad_v = torch.zeros_like(v) if need_v else None
-        grad_dk = torch.empty_like(dk) if dk is not None and need_dk else None
-        grad_dv = torch.empty_like(dv) if dv is not None and need_dv else None
-        for (r0, r1, k0, k1, bias, blind), (qb, ob, lse, diag) in zip(ctx.blocks, ctx.saved):
+        for r0, r1, k0, k1, bias, _ in ctx.blocks:
             rows = r1 - r0
-            go = grad_out[:, :, :, r0:r1].reshape(b, n, g * rows, d)
-            gq, gk, gv = _flash_backward(go, qb, k[:, :, k0:k1], v[:, :, k0:k1], ob, lse, 0.0, False,
-                                         attn_mask=bias, scale=1.0)
-            if diag is not None:
-                go6, q6 = go.view(b, n, g, rows, 1, d), qb.view(b, n, g, rows, 1, d)
-                row_dot = (go * ob).sum(-1).view(b, n, g, rows, 1)
-                d_diag = (go6 * dv[:, :, None, r0:r1]).sum(-1).sub_(row_dot).mul_(diag)[..., None]   # [B, N, G, R, S, 1]
-                gq = gq.view(b, n, g, rows, d).add_((d_diag * dk[:, :, None, r0:r1]).sum(-2))
-                if grad_dk is not None:
-                    grad_dk[:, :, r0:r1] = (d_diag * q6).sum(2)
-                if grad_dv is not None:
-                    grad_dv[:, :, r0:r1] = (diag[..., None] * go6).sum(2)
-            grad_q[:, :, :, r0:r1] = gq.view(b, n, g, rows, d)
+            as_rows = lambda x: x[:, :, :, r0:r1].reshape(b, n, g * rows, *x.shape[4:])
+            gq, gk, gv = _flash_backward(as_rows(go), as_rows(q), k[:, :, k0:k1], v[:, :, k0:k1], as_rows(out),
+                                         as_rows(lse), 0.0, False, attn_mask=bias, scale=1.0)
+            if whole:
+                grad_q = gq.view(b, n, g, tq, d)
+            else:
+                grad_q[:, :, :, r0:r1] = gq.view(b, n, g, rows, d)
             if grad_k is not None:
                 grad_k[:, :, k0:k1] += gk
             if grad_v is not None:
                 grad_v[:, :, k0:k1] += gv
-        ctx.saved = None
+        grad_dk = grad_dv = None
+        if diag is not None:
+            go6 = go[..., None, :]
+            row_dot = (go * out).sum(-1, keepdim=True)                             # [B, N, G, Tq, 1]
+            d_diag = (go6 * dv[:, :, None]).sum(-1).sub_(row_dot).mul_(diag)[..., None]   # [B, N, G, Tq, S, 1]
+            grad_q = grad_q.add_((d_diag * dk[:, :, None]).sum(-2))
+            grad_dk = (d_diag * q[..., None, :]).sum(2) if need_dk else None
+            grad_dv = (diag[..., None] * go6).sum(2) if need_dv else None
         return grad_q if need_q else None, grad_k, grad_v, grad_dk, grad_dv, None
 
 

@@ -98,7 +98,9 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(inner, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # one product for both input projections (same weights, one wider matmul)
+        gate, up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 @dataclass
@@ -126,9 +128,12 @@ class Attention(nn.Module):
 
     def project(self, x: Tensor, rot: Rotary) -> tuple[Tensor, Keys]:
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        # one product for q, k and v (same weights, one wider matmul)
+        qkv = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+        q, k, v = qkv.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], -1)
+        q = self.q_norm(q.reshape(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.reshape(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = v.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         self.last_query = q
         return rope(q, rot), Keys(rope(k, rot), v)
 
