@@ -6,12 +6,13 @@ adding every diagonal attention term as its own tensor op, and the target's full
 softmax computed at every step and then indexed to the draft vocabulary (renormalized, so
 the loss is the same). Both must give the same loss and gradients before they are timed.
 Also: the hidden-only drafter's achieved FLOP rate against this CPU's fp32 matmul peak
-measured in the same run.
+measured in the same run (the median of measurements before every variant, since the
+machine's speed drifts; the flop counter is given the CPU flash kernel's formulas).
 
 Targets: >= 2x the reference's tokens/s for every paradigm; >= 40% of the matmul peak for
 the hidden-only drafter. Prints the ratios last; exits non-zero when a target is missed.
 
-    python benchmarks/ttt.py [--config config/config.yaml] [--batches 4] [--iters 2] [--threads N]
+    python benchmarks/ttt.py [--config config/config.yaml] [--batches 4] [--iters 3] [--threads N]
 
 With a finished default run it times the trainer's first batches of the real captured features
 (user turns carry no label); otherwise random tokens with every position labelled.
@@ -52,23 +53,31 @@ def _flash_cpu_backward_flop(grad_out, query, key, value, *args, **kwargs) -> in
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
+_REPEATED: dict[int, torch.Tensor] = {}   # EAGLE-3 caches its keys already repeated to every head
+
+
+def repeated(x: torch.Tensor, group: int) -> torch.Tensor:
+    """repeat_kv once per cached tensor (keys stay alive for the unroll, so ids are unique)."""
+    if id(x) not in _REPEATED:
+        _REPEATED[id(x)] = x.repeat_interleave(group, dim=1)
+    return _REPEATED[id(x)]
+
+
 def reference_attend(self, q, prefix, mask, diag):
     """EAGLE-3's attention over its per-step cache: q @ k0^T over every prefix key plus the
     precomputed additive mask, then one explicit term per earlier step's diagonal key, each
     its own op, and the output as the matching sum."""
     b, h, tq, d = q.shape
     group = h // self.n_kv
-    k0 = prefix.k.repeat_interleave(group, dim=1)
-    v0 = prefix.v.repeat_interleave(group, dim=1)
+    k0, v0 = repeated(prefix.k, group), repeated(prefix.v, group)
     scores = (q @ k0.transpose(-1, -2)) / math.sqrt(d) + mask.bias[:, 0]
     for keys in diag:
-        kj = keys.k.repeat_interleave(group, dim=1)
-        scores = torch.cat([scores, ((q * kj).sum(-1) / math.sqrt(d))[..., None]], dim=-1)
+        scores = torch.cat([scores, ((q * repeated(keys.k, group)).sum(-1) / math.sqrt(d))[..., None]], dim=-1)
     probs = torch.softmax(scores, dim=-1)
     tp = k0.shape[2]
     out = probs[..., :tp] @ v0
     for j, keys in enumerate(diag):
-        out = out + probs[..., tp + j: tp + j + 1] * keys.v.repeat_interleave(group, dim=1)
+        out = out + probs[..., tp + j: tp + j + 1] * repeated(keys.v, group)
     return self.o_proj(out.transpose(1, 2).reshape(b, tq, h * d))
 
 
@@ -77,10 +86,12 @@ def reference_trainer(model):
     """EAGLE-3's attention, and every step run explicitly (no causal-LM one-pass shortcut)."""
     fast, causal_lm = Attention.attend, model.causal_lm
     Attention.attend, model.causal_lm = reference_attend, False
+    _REPEATED.clear()
     try:
         yield
     finally:
         Attention.attend, model.causal_lm = fast, causal_lm
+        _REPEATED.clear()
 
 
 def reference_loss(model, batch, head_w, steps, decay):
@@ -165,7 +176,7 @@ def benchmark_batches(cfg: dict, results: Path, n_batches: int, batch_size: int,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", action="append", default=None)
-    ap.add_argument("--iters", type=int, default=2, help="timings per batch (median)")
+    ap.add_argument("--iters", type=int, default=3, help="timings per batch (median)")
     ap.add_argument("--batches", type=int, default=4, help="training batches timed (sum)")
     ap.add_argument("--results", default="results", help="a default run's results: its target and a real batch")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's)")
@@ -182,9 +193,10 @@ def main() -> int:
     head_w = target.lm_head.weight
     vocab = target.config.vocab_size
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-    peak = matmul_peak()
-    rows, ok = [], True
+    peaks = [matmul_peak()]   # measured again before every variant: the machine's speed drifts
+    rows = []
     for v in dcfg["variants"]:
+        peaks.append(matmul_peak())
         d2t = torch.arange(vocab if v["paradigm"] == "standalone" else min(dcfg["draft_vocab_size"], vocab))
         model = build_variant(v, target.config, target.model.embed_tokens.weight, d2t)
         # same loss and gradients first
@@ -205,20 +217,22 @@ def main() -> int:
             for b in batches:
                 ours_loss(model, b, head_w, steps, decay).backward()
         rate = fc.get_total_flops() / t_ours
-        row = {"variant": v["name"], "same_loss_and_grads": bool(same), "ours_tokens_per_s": tokens / t_ours,
-               "reference_tokens_per_s": tokens / t_ref, "speedup": t_ref / t_ours, "gflops": rate / 1e9,
-               "peak_share": rate / peak}
-        rows.append(row)
-        ok &= same and row["speedup"] >= SPEEDUP_TARGET
-        if v["paradigm"] == "hidden":
-            ok &= row["peak_share"] >= PEAK_SHARE_TARGET
+        rows.append({"variant": v["name"], "same_loss_and_grads": bool(same), "ours_tokens_per_s": tokens / t_ours,
+                     "reference_tokens_per_s": tokens / t_ref, "speedup": t_ref / t_ours, "gflops": rate / 1e9})
     labelled = sum(float((b["loss_mask"] * b["attention_mask"]).sum()) for b in batches) / sum(
         b["attention_mask"].numel() for b in batches)
-    out = {"batch": source, "labelled_share": labelled, "matmul_peak_gflops": peak / 1e9, "tokens": tokens, "batches": len(batches), "threads": torch.get_num_threads(),
+    peak = statistics.median(peaks)
+    for row in rows:   # every row against the run's median peak
+        row["peak_share"] = row["gflops"] * 1e9 / peak
+    ok = all(r["same_loss_and_grads"] and r["speedup"] >= SPEEDUP_TARGET for r in rows) and all(
+        r["peak_share"] >= PEAK_SHARE_TARGET for r, v in zip(rows, dcfg["variants"]) if v["paradigm"] == "hidden")
+    out = {"batch": source, "labelled_share": labelled, "matmul_peak_gflops": peak / 1e9,
+           "matmul_peak_gflops_measured": [p / 1e9 for p in peaks], "tokens": tokens, "batches": len(batches), "threads": torch.get_num_threads(),
            "device": rt.device, "rows": rows}
     Path("results/benchmarks").mkdir(parents=True, exist_ok=True)
     Path("results/benchmarks/ttt.json").write_text(json.dumps(out, indent=2))
-    print(f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s on {torch.get_num_threads()} threads; "
+    print(f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s (median of {len(peaks)} measurements through the run, "
+          f"{min(peaks) / 1e9:.0f}-{max(peaks) / 1e9:.0f}) on {torch.get_num_threads()} threads; "
           f"{tokens} tokens in {len(batches)} steps, K = {steps}; {source}, {labelled:.0%} of positions labelled")
     print(f"{'variant':10s} {'same':>5s} {'ours tok/s':>11s} {'ref tok/s':>10s} {'GFLOP/s':>8s} {'of peak':>8s}")
     for r in rows:

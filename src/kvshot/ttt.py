@@ -165,12 +165,12 @@ def step_losses(drafter: Drafter, un: Unrolled, batch: dict[str, Tensor], labels
         greedy = at_rows(labels.argmax, rows, k + 1)
         valid = un.valid[k]
         mask = valid & drafter.t2d[greedy]
-        ce = soft_cross_entropy(logits, probs)
+        ce, top = soft_cross_entropy(logits, probs)
         n = mask.sum()
         denom = denominators[k] if denominators is not None else n.clamp(min=1)
         losses.append((ce * mask).sum() / denom)
         counts.append(n)
-        pred = drafter.d2t[logits.argmax(-1)]
+        pred = drafter.d2t[top]
         correct.append(((pred == greedy) & valid).sum())
         acc_counts.append(valid.sum())
     return losses, counts, correct, acc_counts

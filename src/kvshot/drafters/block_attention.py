@@ -15,26 +15,31 @@ import torch
 from torch import Tensor
 
 
+def _wide(x: Tensor) -> Tensor:
+    """fp32 at least (a half-precision tensor is widened; fp64 stays)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def _diag_scores(q: Tensor, dk: Tensor) -> Tensor:
-    """q [B, N, G, R, D] . dk [B, N, R, S, D] -> [B, N, G, R, S]."""
-    return torch.einsum("bngrd,bnrsd->bngrs", q, dk)
+    """q [B, N, G, R, D] . dk [B, N, S, R, D] -> [B, N, G, R, S]."""
+    return torch.einsum("bngrd,bnsrd->bngrs", q, dk)
 
 
 class BlockAttention(torch.autograd.Function):
     """q [B, N, G, R, D] (already scaled by 1/sqrt(D)); k, v [B, N, Tk, D]; bias broadcastable
-    to [B, N, G, R, Tk]; dk, dv [B, N, R, S, D] or None. Returns [B, N, G, R, D]."""
+    to [B, N, G, R, Tk]; dk, dv [B, N, S, R, D] or None. Returns [B, N, G, R, D]."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, dk: Tensor | None, dv: Tensor | None) -> Tensor:
         b, n, g, r, d = q.shape
         tk = k.shape[2]
         q2 = q.reshape(b, n, g * r, d)
-        probs = torch.matmul(q2, k.transpose(-1, -2)).float().view(b, n, g, r, tk)
+        probs = _wide(torch.matmul(q2, k.transpose(-1, -2))).view(b, n, g, r, tk)
         probs.add_(bias)
         top = probs.amax(-1, keepdim=True)
         diag = None
         if dk is not None:
-            diag = _diag_scores(q, dk).float()
+            diag = _wide(_diag_scores(q, dk))
             top = torch.maximum(top, diag.amax(-1, keepdim=True))
             diag.sub_(top).exp_()
         probs.sub_(top).exp_()
@@ -47,7 +52,7 @@ class BlockAttention(torch.autograd.Function):
         out = torch.matmul(p.view(b, n, g * r, tk), v).view(b, n, g, r, d)
         if diag is not None:
             diag.mul_(inv)
-            out = out + torch.einsum("bngrs,bnrsd->bngrd", diag.to(dv.dtype), dv)
+            out = out + torch.einsum("bngrs,bnsrd->bngrd", diag.to(dv.dtype), dv)
         ctx.save_for_backward(q, k, v, dk, dv, p, diag, out)
         return out
 
@@ -62,21 +67,21 @@ class BlockAttention(torch.autograd.Function):
         p2 = p.view(b, n, g * r, tk)
         grad_v = torch.matmul(p2.transpose(-1, -2), go2) if need_v else None
         # d softmax: ds = p * (dp - <dp, p>), and <dp, p> = <grad_out, out> per row
-        row_dot = (go.float() * out.float()).sum(-1, keepdim=True)                  # [B, N, G, R, 1]
-        ds = torch.matmul(go2, v.transpose(-1, -2)).float().view(b, n, g, r, tk)
+        row_dot = (_wide(go) * _wide(out)).sum(-1, keepdim=True)                  # [B, N, G, R, 1]
+        ds = _wide(torch.matmul(go2, v.transpose(-1, -2))).view(b, n, g, r, tk)
         ds.sub_(row_dot).mul_(p)
         ds = ds.to(q.dtype).view(b, n, g * r, tk)
         grad_q = torch.matmul(ds, k).view(b, n, g, r, d) if need_q else None
         grad_k = torch.matmul(ds.transpose(-1, -2), q.reshape(b, n, g * r, d)) if need_k else None
         grad_dk = grad_dv = None
         if diag is not None:
-            d_diag = _diag_scores(go, dv).float().sub_(row_dot).mul_(diag).to(q.dtype)   # [B, N, G, R, S]
+            d_diag = _wide(_diag_scores(go, dv)).sub_(row_dot).mul_(diag).to(q.dtype)   # [B, N, G, R, S]
             if need_q:
-                grad_q = grad_q + torch.einsum("bngrs,bnrsd->bngrd", d_diag, dk)
+                grad_q = grad_q + torch.einsum("bngrs,bnsrd->bngrd", d_diag, dk)
             if need_dk:
-                grad_dk = torch.einsum("bngrs,bngrd->bnrsd", d_diag, q)
+                grad_dk = torch.einsum("bngrs,bngrd->bnsrd", d_diag, q)
             if need_dv:
-                grad_dv = torch.einsum("bngrs,bngrd->bnrsd", diag.to(go.dtype), go)
+                grad_dv = torch.einsum("bngrs,bngrd->bnsrd", diag.to(go.dtype), go)
         return grad_q, grad_k, grad_v, None, grad_dk, grad_dv
 
 
@@ -96,7 +101,7 @@ class FlashAttention(torch.autograd.Function):
     output and logsumexp, so its probabilities are the joint ones and it returns the prefix
     keys' share of the joint gradient; the diagonal share is added here. One autograd node
     for all blocks, so no block pays for zero-filled gradients of the whole tensors.
-    q [B, N, G, Tq, D] (scaled), k, v [B, N, Tp, D], dk, dv [B, N, Tq, S, D] or None;
+    q [B, N, G, Tq, D] (scaled), k, v [B, N, Tp, D], dk, dv [B, N, S, Tq, D] or None;
     blocks: (first row, end row, first key, end key, bias [B, 1, G * R, Tk], blind or None)
     with blind [B, 1, G * R] the rows that see no prefix key."""
 
@@ -119,17 +124,16 @@ class FlashAttention(torch.autograd.Function):
                 lse[:, :, :, r0:r1] = lb.view(b, n, g, rows)
         diag = None
         if dk is not None:
-            # a few keys per row: broadcast products beat batched tiny matmuls here
-            diag = (q[..., None, :] * dk[:, :, None]).sum(-1)                    # [B, N, G, Tq, S]
-            lse5 = lse[..., None]
-            top = torch.maximum(diag.amax(-1, keepdim=True), lse5)
-            diag.sub_(top).exp_()
-            prefix_share = lse5.sub(top).exp_()
-            total = diag.sum(-1, keepdim=True).add_(prefix_share)
-            diag.div_(total)
+            # a few keys per row, step-major: broadcast products over whole [G, Tq, D] slabs
+            diag = (q[:, :, None] * dk[:, :, :, None]).sum(-1)                   # [B, N, S, G, Tq]
+            top = torch.maximum(diag.amax(2), lse)                               # [B, N, G, Tq]
+            diag.sub_(top[:, :, None]).exp_()
+            prefix_share = lse.sub(top).exp_()
+            total = diag.sum(2).add_(prefix_share)
+            diag.div_(total[:, :, None])
             prefix_share.div_(total)
-            out = (out * prefix_share).add_((diag[..., None] * dv[:, :, None]).sum(-2))
-            lse = total.log_().add_(top).squeeze(-1)
+            out = (out * prefix_share[..., None]).add_((diag[..., None] * dv[:, :, :, None]).sum(2))
+            lse = total.log_().add_(top)
         ctx.blocks = blocks
         ctx.save_for_backward(q, k, v, dk, dv, out, lse, diag)
         return out
@@ -159,12 +163,12 @@ class FlashAttention(torch.autograd.Function):
                 grad_v[:, :, k0:k1] += gv
         grad_dk = grad_dv = None
         if diag is not None:
-            go6 = go[..., None, :]
-            row_dot = (go * out).sum(-1, keepdim=True)                             # [B, N, G, Tq, 1]
-            d_diag = (go6 * dv[:, :, None]).sum(-1).sub_(row_dot).mul_(diag)[..., None]   # [B, N, G, Tq, S, 1]
-            grad_q = grad_q.add_((d_diag * dk[:, :, None]).sum(-2))
-            grad_dk = (d_diag * q[..., None, :]).sum(2) if need_dk else None
-            grad_dv = (diag[..., None] * go6).sum(2) if need_dv else None
+            go6 = go[:, :, None]                                                   # [B, N, 1, G, Tq, D]
+            row_dot = (go * out).sum(-1)                                           # [B, N, G, Tq]
+            d_diag = (go6 * dv[:, :, :, None]).sum(-1).sub_(row_dot[:, :, None]).mul_(diag)[..., None]   # [B, N, S, G, Tq, 1]
+            grad_q = grad_q.add_((d_diag * dk[:, :, :, None]).sum(2))
+            grad_dk = (d_diag * q[:, :, None]).sum(3) if need_dk else None
+            grad_dv = (diag[..., None] * go6).sum(3) if need_dv else None
         return grad_q if need_q else None, grad_k, grad_v, grad_dk, grad_dv, None
 
 

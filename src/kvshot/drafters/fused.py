@@ -39,23 +39,27 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 class SoftCrossEntropy(torch.autograd.Function):
     """Per row -sum_v p_v log softmax(z)_v = logsumexp(z) - <p, z> for labels p that sum to 1,
-    in fp32 at least; the backward is softmax(z) - p without a log-softmax tensor in between."""
+    in fp32 at least, and the argmax of z from the same max pass (for accuracy); the backward
+    is softmax(z) - p without a log-softmax tensor in between."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, probs: Tensor) -> Tensor:
+    def forward(ctx, logits: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
         z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        top, argmax = z.max(dim=-1, keepdim=True)
+        lse = torch.sub(z, top).exp_().sum(-1, keepdim=True).log_().add_(top)
         ce = lse.squeeze(-1) - (probs * z).sum(-1)
         ctx.save_for_backward(z, probs, lse)
         ctx.logits_dtype = logits.dtype
-        return ce
+        ctx.mark_non_differentiable(argmax)
+        return ce, argmax.squeeze(-1)
 
     @staticmethod
-    def backward(ctx, grad_ce: Tensor):
+    def backward(ctx, grad_ce: Tensor, _grad_argmax):
         z, probs, lse = ctx.saved_tensors
         grad = torch.sub(z, lse).exp_().sub_(probs).mul_(grad_ce[..., None])
         return grad.to(ctx.logits_dtype), None
 
 
-def soft_cross_entropy(logits: Tensor, probs: Tensor) -> Tensor:
+def soft_cross_entropy(logits: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
+    """(cross-entropy per row, argmax per row)."""
     return SoftCrossEntropy.apply(logits, probs)

@@ -144,8 +144,8 @@ class Attention(nn.Module):
         b, h, tq, d = q.shape
         group = h // self.n_kv
         qg = (q * (1.0 / math.sqrt(d))).view(b, self.n_kv, group, tq, d)
-        dk = torch.stack([x.k for x in diag], dim=-2) if diag else None    # [B, Hkv, Tq, S, D]
-        dv = torch.stack([x.v for x in diag], dim=-2) if diag else None
+        dk = torch.stack([x.k for x in diag], dim=2) if diag else None    # [B, Hkv, S, Tq, D]
+        dv = torch.stack([x.v for x in diag], dim=2) if diag else None
         bias = mask.bias
         if FLASH_ON_CPU and q.device.type == "cpu" and q.dtype == torch.float32:
             out = flash_attention(qg, prefix.k, prefix.v, dk, dv, mask.flash_blocks(group))
@@ -153,8 +153,8 @@ class Attention(nn.Module):
         outs = []
         for r0, r1, k0, k1 in mask.blocks:
             outs.append(block_attention(qg[:, :, :, r0:r1], prefix.k[:, :, k0:k1], prefix.v[:, :, k0:k1],
-                                        bias[:, :, :, r0:r1, k0:k1], None if dk is None else dk[:, :, r0:r1],
-                                        None if dv is None else dv[:, :, r0:r1]))
+                                        bias[:, :, :, r0:r1, k0:k1], None if dk is None else dk[:, :, :, r0:r1],
+                                        None if dv is None else dv[:, :, :, r0:r1]))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
         return self.o_proj(out.reshape(b, h, tq, d).transpose(1, 2).reshape(b, tq, h * d))
 

@@ -1,0 +1,133 @@
+"""The trainer's hand-written backward passes against autograd over the plain formulas:
+the attention (fused CPU flash kernel and the portable version), RMSNorm and the soft
+cross-entropy; and the whole TTT loss and gradients with either attention."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvshot.drafters.block_attention import block_attention, flash_attention
+from kvshot.drafters.fused import rms_norm, soft_cross_entropy
+
+
+def plain_attention(q, k, v, bias, dk, dv):
+    """softmax over [prefix scores + bias, one score per diagonal key] (q already scaled).
+    q [B, N, G, R, D], k, v [B, N, Tk, D], bias [B, 1, 1, R, Tk], dk, dv [B, N, S, R, D]."""
+    scores = torch.einsum("bngrd,bnkd->bngrk", q, k) + bias
+    if dk is not None:
+        scores = torch.cat([scores, torch.einsum("bngrd,bnsrd->bngrs", q, dk)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    tk = k.shape[2]
+    out = torch.einsum("bngrk,bnkd->bngrd", probs[..., :tk], v)
+    if dk is not None:
+        out = out + torch.einsum("bngrs,bnsrd->bngrd", probs[..., tk:], dv)
+    return out
+
+
+def attention_case(dtype, steps: int, blind_rows: int = 0, seed: int = 0):
+    """Two packed sequences of rows 0..5 and 6..11 with 7 and 5 keys, causal-style masks."""
+    g = torch.Generator().manual_seed(seed)
+    b, n, grp, t, tp, d = 1, 2, 2, 12, 12, 4
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=dtype).requires_grad_()
+    q, k, v = mk(b, n, grp, t, d), mk(b, n, tp, d), mk(b, n, tp, d)
+    dk, dv = (mk(b, n, steps, t, d), mk(b, n, steps, t, d)) if steps else (None, None)
+    visible = torch.zeros(t, tp, dtype=torch.bool)
+    for r in range(6):
+        visible[r, : r + 2] = True                 # sequence 1: keys 0..6
+    for r in range(6, 12):
+        visible[r, 7: 7 + r - 5] = True            # sequence 2: keys 7..11
+    visible[:blind_rows] = False                   # rows that see no prefix key (diagonal keys only)
+    bias = torch.zeros(t, tp, dtype=dtype).masked_fill(~visible, float("-inf"))[None, None, None]
+    blocks = []
+    for r0, r1, k0, k1 in [(0, 6, 0, 7), (6, 12, 7, 12)]:
+        rows = bias[:, 0, 0, r0:r1, k0:k1][:, None].expand(-1, grp, -1, -1).reshape(b, 1, grp * (r1 - r0), k1 - k0)
+        blind = torch.isinf(rows).all(-1)
+        blocks.append((r0, r1, k0, k1, rows, blind if bool(blind.any()) else None))
+    return (q, k, v, dk, dv), bias, blocks
+
+
+@pytest.mark.parametrize("steps,blind_rows", [(0, 0), (3, 0), (3, 2)])
+def test_flash_attention_matches_autograd(steps, blind_rows):
+    """Output and every gradient equal autograd through the plain softmax (float64)."""
+    inputs, bias, blocks = attention_case(torch.float64, steps, blind_rows)
+    q, k, v, dk, dv = inputs
+    leaves = [x for x in inputs if x is not None]
+    weights = torch.randn(q.shape, dtype=torch.float64)
+    ours = flash_attention(q, k, v, dk, dv, blocks)
+    grads = torch.autograd.grad((ours * weights).sum(), leaves)
+    ref = plain_attention(q, k, v, bias, dk, dv)
+    ref_grads = torch.autograd.grad((ref * weights).sum(), leaves)
+    torch.testing.assert_close(ours, ref)
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("steps", [0, 3])
+def test_block_attention_gradcheck(steps):
+    """The portable attention (one block, every key) passes gradcheck."""
+    inputs, bias, _ = attention_case(torch.float64, steps)
+    q, k, v, dk, dv = inputs
+    fn = lambda q, k, v, *diag: block_attention(q, k, v, bias, *(diag or (None, None)))
+    assert torch.autograd.gradcheck(fn, tuple(x for x in inputs if x is not None))
+    torch.testing.assert_close(block_attention(q, k, v, bias, dk, dv), plain_attention(q, k, v, bias, dk, dv))
+
+
+def test_flash_attention_gradcheck():
+    inputs, _, blocks = attention_case(torch.float64, 2, blind_rows=1)
+    fn = lambda q, k, v, dk, dv: flash_attention(q, k, v, dk, dv, blocks)
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_rms_norm_and_soft_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(16, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: rms_norm(x, w, 1e-6), (x, w))
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), F.rms_norm(x, (16,), w, 1e-6))
+    z = torch.randn(6, 20, dtype=torch.float64, generator=g, requires_grad=True)
+    p = torch.softmax(torch.randn(6, 20, dtype=torch.float64, generator=g), -1)
+    assert torch.autograd.gradcheck(lambda z: soft_cross_entropy(z, p)[0], (z,))
+    ce, top = soft_cross_entropy(z, p)
+    torch.testing.assert_close(ce, -(p * torch.log_softmax(z, -1)).sum(-1))
+    assert torch.equal(top, z.argmax(-1))
+
+
+@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid"])
+def test_unroll_with_either_attention_has_the_same_loss_and_gradients(paradigm, monkeypatch):
+    """The packed TTT loss and its gradients through the flash kernel equal the portable path."""
+    from kvshot.drafters import DrafterConfig, build_drafter, skeleton
+    from kvshot.ttt import step_losses, target_labels, unroll, weighted_loss
+
+    torch.manual_seed(0)
+    h, layers, vocab, b, t = 32, 4, 64, 3, 40
+    cfg = DrafterConfig(paradigm=paradigm, hidden_size=h, num_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=vocab,
+                        draft_vocab_size=48, kv_layers=[2] if paradigm != "hidden" else [])
+    model = build_drafter(cfg)
+    model.set_vocab(torch.randn(vocab, h), torch.arange(48))
+    attention = torch.ones(b, t, dtype=torch.long)
+    attention[2, 30:] = 0
+    loss_mask = (torch.rand(b, t) < 0.5).long() * attention
+    batch = {"input_ids": torch.randint(0, vocab, (b, t)), "attention_mask": attention, "loss_mask": loss_mask,
+             "aux_hidden": torch.randn(b, t, 3, h), "last_hidden": torch.randn(b, t, h),
+             **{f"key_{l}": torch.randn(b, t, 2, 8) for l in range(layers)},
+             **{f"value_{l}": torch.randn(b, t, 2, 8) for l in range(layers)}}
+    head = torch.randn(vocab, h)
+    labels = target_labels(batch["last_hidden"], head, model.d2t)
+    results = []
+    for flash in (True, False):
+        monkeypatch.setattr(skeleton, "FLASH_ON_CPU", flash)
+        model.zero_grad(set_to_none=True)
+        losses = step_losses(model, unroll(model, batch, 4, skip_unlabelled=True), batch, labels)[0]
+        loss = weighted_loss(losses, 0.8)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = results
+    assert math.isfinite(float(l0))
+    torch.testing.assert_close(l0, l1, atol=1e-5, rtol=1e-5)
+    assert g0.keys() == g1.keys()
+    for name in g0:
+        torch.testing.assert_close(g0[name], g1[name], atol=1e-5, rtol=1e-4, msg=name)
