@@ -51,20 +51,24 @@ def main() -> int:
     samples = tokenize_split(args.split, tok, fcfg.get("max_len") or cfg["data"]["max_len"])[: fcfg.get("max_samples")]
     groups = length_batches([s["input_ids"].shape[0] for s in samples], fcfg["batch_tokens"])
     forward_only(model, samples, groups[:2], tok.pad_token_id)            # warm-up
-    base, capture, summary = [], [], {}
-    for _ in range(args.repeats):   # interleaved, medians: the two see the same machine state
+
+    def setup_seconds() -> float:
+        """What capture_split does besides capturing: load the model and tokenize."""
+        start = time.perf_counter()
+        load_target(args.target, rt)
+        load_tokenizer(args.target)
+        tokenize_split(args.split, tok, fcfg.get("max_len") or cfg["data"]["max_len"])
+        return time.perf_counter() - start
+
+    base, capture, setups, summary = [], [], [], {}
+    for _ in range(args.repeats):   # interleaved, medians: the three see the same machine state
         base.append(forward_only(model, samples, groups, tok.pad_token_id))
+        setups.append(setup_seconds())
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()
             summary = capture_split(cfg, rt, args.split, args.target, str(Path(tmp) / "f"))
-            capture.append(time.perf_counter() - start)
-    # capture_split also loads the model and tokenizes: time that part and take it out
-    start = time.perf_counter()
-    load_target(args.target, rt)
-    load_tokenizer(args.target)
-    tokenize_split(args.split, tok, fcfg.get("max_len") or cfg["data"]["max_len"])
-    setup = time.perf_counter() - start
-    b, c = statistics.median(base), statistics.median(capture) - setup
+            capture.append(time.perf_counter() - start - setups[-1])
+    b, c, setup = statistics.median(base), statistics.median(capture), statistics.median(setups)
     parts = sum(summary["bytes_per_token_by_tensor"].values())
     out = {"forward_seconds": b, "capture_seconds": c, "setup_seconds": setup, "overhead": c / b,
            "bytes_per_token": summary["bytes_per_token"], "sum_of_parts": parts, "tokens": summary["tokens"],

@@ -70,8 +70,8 @@ def at_rows(x: Tensor, rows: Tensor | None, n: int, fill=0) -> Tensor:
 
 def labelled_rows(loss_mask: Tensor, steps: int, keep_share: float = 0.98) -> Tensor | None:
     """Flat indices b * T + t (ascending) of the anchors with a label at some step
-    (x_{t+k+2} an assistant token for some k < steps); None when nearly every anchor has
-    one (packing would not pay)."""
+    (x_{t+k+2} an assistant token for some k < steps); None when (nearly) every anchor has
+    one."""
     b, t = loss_mask.shape
     zeros = lambda n: torch.zeros(b, n, dtype=torch.long, device=loss_mask.device)
     csum = torch.cat([zeros(1), torch.cat([loss_mask.long(), zeros(steps + 2)], 1).cumsum(1)], 1)
@@ -95,8 +95,8 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
            own_tokens: bool = False, skip_unlabelled: bool = False) -> Unrolled:
     """K steps for every anchor at once. Inputs are the sequence's tokens (training, as EAGLE-3)
     or, with own_tokens, the drafter's own greedy drafts from step 1 on (chain simulation).
-    skip_unlabelled: anchors with no label at any step are dropped (from step 1 on for a
-    paradigm whose step-0 keys are every anchor's prefix) and the rest of the batch packed
+    skip_unlabelled: anchors with no label at any step are dropped (for a paradigm whose
+    step-0 keys are every anchor's prefix, once step 0 has written them) and the rest packed
     into one row list (`StepState.pack`): the loss and its gradient are the same, the work
     is not; the head runs only on the rows step k scores. Logits are then [1, R_k, N] for
     the rows `Unrolled.rows[k]`."""

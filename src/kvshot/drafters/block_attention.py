@@ -1,13 +1,15 @@
-"""Attention of one row block over prefix keys plus per-row diagonal keys, with a hand-written
-backward.
+"""The drafter's attention with hand-written backward passes.
 
-The drafter's attention has two kinds of keys (see `skeleton`): a span of prefix keys shared
-by the block's rows, seen through an additive mask, and one diagonal key per earlier step that
-belongs to a single row. Autograd over the composed ops (scores, mask add, concatenation with
-the diagonal scores, softmax, slicing, two products) materializes the [rows, keys] score
-tensor several times in each direction; this function keeps one scores tensor, normalizes it
-in place, and in the backward reuses the one gradient buffer, so the work is the matmuls plus
-a few passes. The scores and the softmax are computed in fp32 whatever the input dtype.
+A query row sees two kinds of keys (see `skeleton`): a span of prefix keys shared by the
+rows of its block, seen through an additive mask, and one diagonal key per earlier step that
+belongs to that row alone. Autograd over the composed ops (scores, mask add, concatenation
+with the diagonal scores, softmax, slicing, two products) materializes the [rows, keys]
+scores several times in each direction and zero-fills whole-tensor gradients for every
+block. Two versions of one function:
+  `flash_attention`  fp32 on CPU: PyTorch's fused flash kernel for the prefix keys, the
+                     diagonal keys merged in by logsumexp; one autograd node for all blocks.
+  `block_attention`  any device and dtype: one block, one scores tensor normalized in place,
+                     the softmax in fp32 at least.
 """
 from __future__ import annotations
 
