@@ -16,10 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
-def _wide(x: Tensor) -> Tensor:
-    """fp32 at least (a half-precision tensor is widened; fp64 stays)."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+from .fused import at_least_fp32
 
 
 def _diag_scores(q: Tensor, dk: Tensor) -> Tensor:
@@ -36,12 +33,12 @@ class BlockAttention(torch.autograd.Function):
         b, n, g, r, d = q.shape
         tk = k.shape[2]
         q2 = q.reshape(b, n, g * r, d)
-        probs = _wide(torch.matmul(q2, k.transpose(-1, -2))).view(b, n, g, r, tk)
+        probs = at_least_fp32(torch.matmul(q2, k.transpose(-1, -2))).view(b, n, g, r, tk)
         probs.add_(bias)
         top = probs.amax(-1, keepdim=True)
         diag = None
         if dk is not None:
-            diag = _wide(_diag_scores(q, dk))
+            diag = at_least_fp32(_diag_scores(q, dk))
             top = torch.maximum(top, diag.amax(-1, keepdim=True))
             diag.sub_(top).exp_()
         probs.sub_(top).exp_()
@@ -69,15 +66,15 @@ class BlockAttention(torch.autograd.Function):
         p2 = p.view(b, n, g * r, tk)
         grad_v = torch.matmul(p2.transpose(-1, -2), go2) if need_v else None
         # d softmax: ds = p * (dp - <dp, p>), and <dp, p> = <grad_out, out> per row
-        row_dot = (_wide(go) * _wide(out)).sum(-1, keepdim=True)                  # [B, N, G, R, 1]
-        ds = _wide(torch.matmul(go2, v.transpose(-1, -2))).view(b, n, g, r, tk)
+        row_dot = (at_least_fp32(go) * at_least_fp32(out)).sum(-1, keepdim=True)   # [B, N, G, R, 1]
+        ds = at_least_fp32(torch.matmul(go2, v.transpose(-1, -2))).view(b, n, g, r, tk)
         ds.sub_(row_dot).mul_(p)
         ds = ds.to(q.dtype).view(b, n, g * r, tk)
         grad_q = torch.matmul(ds, k).view(b, n, g, r, d) if need_q else None
         grad_k = torch.matmul(ds.transpose(-1, -2), q.reshape(b, n, g * r, d)) if need_k else None
         grad_dk = grad_dv = None
         if diag is not None:
-            d_diag = _wide(_diag_scores(go, dv)).sub_(row_dot).mul_(diag).to(q.dtype)   # [B, N, G, R, S]
+            d_diag = at_least_fp32(_diag_scores(go, dv)).sub_(row_dot).mul_(diag).to(q.dtype)   # [B, N, G, R, S]
             if need_q:
                 grad_q = grad_q + torch.einsum("bngrs,bnsrd->bngrd", d_diag, dk)
             if need_dk:

@@ -9,6 +9,11 @@ import torch
 from torch import Tensor
 
 
+def at_least_fp32(x: Tensor) -> Tensor:
+    """x widened to fp32 when it is half precision (fp32 and fp64 stay as they are)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 class RMSNormFunction(torch.autograd.Function):
     """y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps) over the last dim (fp32)."""
 
@@ -44,7 +49,7 @@ class SoftCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
-        z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        z = at_least_fp32(logits)
         top, argmax = z.max(dim=-1, keepdim=True)
         lse = torch.sub(z, top).exp_().sum(-1, keepdim=True).log_().add_(top)
         ce = lse.squeeze(-1) - (probs * z).sum(-1)

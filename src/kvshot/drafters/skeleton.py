@@ -146,10 +146,10 @@ class Attention(nn.Module):
         qg = (q * (1.0 / math.sqrt(d))).view(b, self.n_kv, group, tq, d)
         dk = torch.stack([x.k for x in diag], dim=2) if diag else None    # [B, Hkv, S, Tq, D]
         dv = torch.stack([x.v for x in diag], dim=2) if diag else None
-        bias = mask.bias
         if FLASH_ON_CPU and q.device.type == "cpu" and q.dtype == torch.float32:
             out = flash_attention(qg, prefix.k, prefix.v, dk, dv, mask.flash_blocks(group))
             return self.o_proj(out.reshape(b, h, tq, d).transpose(1, 2).reshape(b, tq, h * d))
+        bias = mask.bias
         outs = []
         for r0, r1, k0, k1 in mask.blocks:
             outs.append(block_attention(qg[:, :, :, r0:r1], prefix.k[:, :, k0:k1], prefix.v[:, :, k0:k1],
