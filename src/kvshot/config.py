@@ -178,6 +178,27 @@ class Runtime:
         return getattr(torch, self.dtype)
 
 
+def retain_freed_memory() -> bool:
+    """Keep freed memory in glibc's heap instead of handing it back to the OS.
+
+    Every batch of a CPU loop frees megabytes of activations that the next batch allocates
+    again. By default glibc returns them (trim, per-size mmap), so each batch faults fresh
+    zeroed pages back in; the capture forward, which keeps more alive per batch, spent ~10%
+    of its time on that. Peak memory is unchanged (freed pages are reused, not added).
+    A no-op off glibc; returns whether both settings took.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    # 32 MiB is glibc's largest mmap threshold; setting it also stops glibc's own adjustment.
+    return bool(mallopt(m_trim_threshold, 1 << 30)) and bool(mallopt(m_mmap_threshold, 32 << 20))
+
+
 def runtime(cfg: dict) -> Runtime:
     import torch
 
@@ -191,6 +212,8 @@ def runtime(cfg: dict) -> Runtime:
         # bf16 matmul on CPU is ~400x slower than fp32 here.
         dtype = "bfloat16" if device == "cuda" else "float32"
     torch.set_num_threads(int(cfg.get("threads", 1)))
+    if device == "cpu":
+        retain_freed_memory()
     return Runtime(device=device, dtype=dtype, threads=int(cfg.get("threads", 1)), seed=int(cfg.get("seed", 0)))
 
 

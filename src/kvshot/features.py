@@ -14,13 +14,13 @@ from typing import Iterator, Protocol
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
 from .config import FeatureSpec, Runtime, feature_spec
 from .data import read_jsonl, tokenize_conversation
 from .io import atomic_dir, read_json, write_json
+from .shard_writer import ShardWriter
 from .target import load_target, target_forward
 
 INDEX = "index.json"
@@ -49,9 +49,20 @@ def context_to_samples(ctx, lengths: list[int], spec: FeatureSpec) -> list[dict[
         for l in spec.kv_layers:
             item[f"key_{l}"] = ctx.keys[l][b, :n]
             item[f"value_{l}"] = ctx.values[l][b, :n]
-        # views: the shard writer's torch.cat makes the one copy
+        # views: the caller copies (pad_batch)
         out.append({k: v.to(device="cpu", dtype=dtype) for k, v in item.items()})
     return out
+
+
+def batch_rows(model, batch: dict[str, Tensor], spec: FeatureSpec, device: str) -> dict[str, Tensor]:
+    """Everything stored for a padded batch, by name ([B, T, ...]; keys/values are strided views)."""
+    ctx = target_forward(model, batch["input_ids"].long().to(device), batch["attention_mask"].to(device),
+                         spec.aux_layers, spec.kv_layers)
+    dtype = getattr(torch, spec.dtype)
+    named = {"aux_hidden": ctx.aux_hidden, "last_hidden": ctx.last_hidden}
+    for l in spec.kv_layers:
+        named[f"key_{l}"], named[f"value_{l}"] = ctx.keys[l], ctx.values[l]
+    return {**{k: batch[k] for k in TOKEN_KEYS}, **{k: v.to(device="cpu", dtype=dtype) for k, v in named.items()}}
 
 
 def pad_batch(samples: list[dict[str, Tensor]], pad_id: int = 0) -> dict[str, Tensor]:
@@ -85,35 +96,6 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return groups
 
 
-class _ShardWriter:
-    def __init__(self, folder: Path, shard_tokens: int):
-        self.folder, self.shard_tokens = folder, shard_tokens
-        self.buffer: list[dict[str, Tensor]] = []
-        self.buffered, self.shards, self.bytes, self.bytes_by_name = 0, [], 0, {}
-        self.locations: dict[int, list] = {}
-
-    def add(self, sample_id: int, item: dict[str, Tensor]) -> None:
-        n = item["input_ids"].shape[0]
-        self.locations[sample_id] = [len(self.shards), self.buffered, n]
-        self.buffer.append(item)
-        self.buffered += n
-        if self.buffered >= self.shard_tokens:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.buffer:
-            return
-        name = f"shard-{len(self.shards):05d}.safetensors"
-        tensors = {k: torch.cat([s[k] for s in self.buffer]) for k in self.buffer[0]}
-        save_file(tensors, str(self.folder / name))
-        for k, v in tensors.items():
-            nbytes = v.numel() * v.element_size()
-            self.bytes_by_name[k] = self.bytes_by_name.get(k, 0) + nbytes
-            self.bytes += nbytes
-        self.shards.append(name)
-        self.buffer, self.buffered = [], 0
-
-
 def tokenize_split(jsonl: str | Path, tokenizer, max_len: int) -> list[dict[str, Tensor]]:
     samples = []
     for conv in read_jsonl(jsonl):
@@ -135,20 +117,16 @@ def capture_split(cfg: dict, rt: Runtime, split_jsonl: str, target_dir: str, out
     samples = tokenize_split(split_jsonl, tokenizer, max_len)[: fcfg.get("max_samples") or None]
     lengths = [s["input_ids"].shape[0] for s in samples]
     offline = fcfg["mode"] == "offline"
-    start = time.time()
+    start = time.perf_counter()
     with atomic_dir(out_dir) as tmp:
-        writer = _ShardWriter(tmp, fcfg["shard_tokens"])
-        for group in tqdm(length_batches(lengths, fcfg["batch_tokens"]), desc=f"capture {Path(split_jsonl).stem}",
-                          mininterval=5):
-            feats = [{} for _ in group]
-            if offline:
-                batch = pad_batch([samples[i] for i in group], tokenizer.pad_token_id)
-                ctx = target_forward(model, batch["input_ids"].long().to(rt.device),
-                                     batch["attention_mask"].to(rt.device), spec.aux_layers, spec.kv_layers)
-                feats = context_to_samples(ctx, [lengths[i] for i in group], spec)
-            for i, f in zip(group, feats):
-                writer.add(i, {**samples[i], **f})
-        writer.flush()
+        groups = length_batches(lengths, fcfg["batch_tokens"])
+        writer = ShardWriter(tmp, [i for g in groups for i in g], lengths, fcfg["shard_tokens"])
+        for group in tqdm(groups, desc=f"capture {Path(split_jsonl).stem}", mininterval=5):
+            batch = pad_batch([samples[i] for i in group], tokenizer.pad_token_id)
+            # a temporary: the batch's activations are freed before the next forward allocates its own
+            writer.add(group, batch_rows(model, batch, spec, rt.device) if offline else
+                       {k: batch[k] for k in TOKEN_KEYS}, padded=True)
+        writer.close()
         tokens = sum(lengths)
         index = {
             "mode": fcfg["mode"],
@@ -166,7 +144,7 @@ def capture_split(cfg: dict, rt: Runtime, split_jsonl: str, target_dir: str, out
             "bytes_per_token_by_tensor": {k: v / max(1, tokens) for k, v in writer.bytes_by_name.items()},
             # what caching every feature would cost per token (online mode pays target forwards instead)
             "feature_bytes_per_token": feature_bytes_per_token(spec, model.config),
-            "capture_seconds": time.time() - start,
+            "capture_seconds": time.perf_counter() - start,   # the capture loop: forwards and writes
             "shards": writer.shards,
             "samples": [writer.locations[i] for i in range(len(samples))],
         }
