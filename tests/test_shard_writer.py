@@ -74,3 +74,13 @@ def test_missing_or_malformed_samples_are_errors(tmp_path):
         writer.add([1], {k: v for k, v in samples[1].items() if k != "half"})
     with pytest.raises(RuntimeError, match="1 samples never written"):
         writer.close()
+
+
+def test_an_error_inside_the_block_stands_and_releases_the_files(tmp_path):
+    lengths = [2, 3]
+    samples = _samples(lengths)
+    with pytest.raises(KeyError):
+        with ShardWriter(tmp_path, [0, 1], lengths, shard_tokens=100) as writer:
+            writer.add([0], samples[0])
+            raise KeyError("the caller's error")    # not masked by "samples never written"
+    assert writer._open == {}

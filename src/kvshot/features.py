@@ -120,13 +120,12 @@ def capture_split(cfg: dict, rt: Runtime, split_jsonl: str, target_dir: str, out
     start = time.perf_counter()
     with atomic_dir(out_dir) as tmp:
         groups = length_batches(lengths, fcfg["batch_tokens"])
-        writer = ShardWriter(tmp, [i for g in groups for i in g], lengths, fcfg["shard_tokens"])
-        for group in tqdm(groups, desc=f"capture {Path(split_jsonl).stem}", mininterval=5):
-            batch = pad_batch([samples[i] for i in group], tokenizer.pad_token_id)
-            # a temporary: the batch's activations are freed before the next forward allocates its own
-            writer.add(group, batch_rows(model, batch, spec, rt.device) if offline else
-                       {k: batch[k] for k in TOKEN_KEYS}, padded=True)
-        writer.close()
+        with ShardWriter(tmp, [i for g in groups for i in g], lengths, fcfg["shard_tokens"]) as writer:
+            for group in tqdm(groups, desc=f"capture {Path(split_jsonl).stem}", mininterval=5):
+                batch = pad_batch([samples[i] for i in group], tokenizer.pad_token_id)
+                # a temporary: the batch's activations are freed before the next forward allocates its own
+                writer.add(group, batch_rows(model, batch, spec, rt.device) if offline else
+                           {k: batch[k] for k in TOKEN_KEYS}, padded=True)
         tokens = sum(lengths)
         index = {
             "mode": fcfg["mode"],

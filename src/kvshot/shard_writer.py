@@ -163,6 +163,7 @@ class ShardWriter:
         return shard
 
     def close(self) -> None:
+        """Close every file; raise if a planned sample never arrived."""
         missing = sorted(i for sh in self._open.values() for i in sh.pending)
         missing += [i for s, p in enumerate(self.plan) if s not in self._done and s not in self._open for i in p]
         for shard in self._open.values():
@@ -170,3 +171,14 @@ class ShardWriter:
         self._open.clear()
         if missing:
             raise RuntimeError(f"{self.folder}: {len(missing)} samples never written (first: {missing[:5]})")
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.close()
+        else:   # the caller's error stands; just release the files
+            for shard in self._open.values():
+                os.close(shard.fd)
+            self._open.clear()
