@@ -40,29 +40,27 @@ def feature_bytes_per_token(spec: FeatureSpec, config) -> int:
     return elem * (4 * config.hidden_size + len(spec.kv_layers) * per_layer_kv)
 
 
-def context_to_samples(ctx, lengths: list[int], spec: FeatureSpec) -> list[dict[str, Tensor]]:
-    """Split a padded batch's TargetContext into per-sample [T, ...] tensors (padding dropped)."""
-    dtype = getattr(torch, spec.dtype)
-    out = []
-    for b, n in enumerate(lengths):
-        item = {"aux_hidden": ctx.aux_hidden[b, :n], "last_hidden": ctx.last_hidden[b, :n]}
-        for l in spec.kv_layers:
-            item[f"key_{l}"] = ctx.keys[l][b, :n]
-            item[f"value_{l}"] = ctx.values[l][b, :n]
-        # views: the caller copies (pad_batch)
-        out.append({k: v.to(device="cpu", dtype=dtype) for k, v in item.items()})
-    return out
-
-
-def batch_rows(model, batch: dict[str, Tensor], spec: FeatureSpec, device: str) -> dict[str, Tensor]:
-    """Everything stored for a padded batch, by name ([B, T, ...]; keys/values are strided views)."""
-    ctx = target_forward(model, batch["input_ids"].long().to(device), batch["attention_mask"].to(device),
-                         spec.aux_layers, spec.kv_layers)
+def context_features(ctx, spec: FeatureSpec) -> dict[str, Tensor]:
+    """What is stored of a padded batch's TargetContext, by name, on the CPU in the spec's dtype
+    ([B, T, ...]; keys/values stay strided views when no conversion is needed)."""
     dtype = getattr(torch, spec.dtype)
     named = {"aux_hidden": ctx.aux_hidden, "last_hidden": ctx.last_hidden}
     for l in spec.kv_layers:
         named[f"key_{l}"], named[f"value_{l}"] = ctx.keys[l], ctx.values[l]
-    return {**{k: batch[k] for k in TOKEN_KEYS}, **{k: v.to(device="cpu", dtype=dtype) for k, v in named.items()}}
+    return {k: v.to(device="cpu", dtype=dtype) for k, v in named.items()}
+
+
+def context_to_samples(ctx, lengths: list[int], spec: FeatureSpec) -> list[dict[str, Tensor]]:
+    """Split a padded batch's TargetContext into per-sample [T, ...] views (padding dropped)."""
+    feats = context_features(ctx, spec)
+    return [{k: v[b, :n] for k, v in feats.items()} for b, n in enumerate(lengths)]
+
+
+def batch_rows(model, batch: dict[str, Tensor], spec: FeatureSpec, device: str) -> dict[str, Tensor]:
+    """Everything stored for a padded batch, by name ([B, T, ...])."""
+    ctx = target_forward(model, batch["input_ids"].long().to(device), batch["attention_mask"].to(device),
+                         spec.aux_layers, spec.kv_layers)
+    return {**{k: batch[k] for k in TOKEN_KEYS}, **context_features(ctx, spec)}
 
 
 def pad_batch(samples: list[dict[str, Tensor]], pad_id: int = 0) -> dict[str, Tensor]:

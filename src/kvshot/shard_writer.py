@@ -55,7 +55,7 @@ def _row_layout(rows: dict[str, Tensor], lead_dims: int) -> tuple[dict, dict, di
 
 def _header(tokens: int, shapes: dict, dtypes: dict, row_bytes: dict) -> tuple[bytes, dict[str, int]]:
     # Widest elements first keeps every tensor aligned to its element size.
-    names = sorted(shapes, key=lambda k: (-torch.empty((), dtype=dtypes[k]).element_size(), k))
+    names = sorted(shapes, key=lambda k: (-dtypes[k].itemsize, k))
     header, starts, pos = {}, {}, 0
     for k in names:
         if dtypes[k] not in _DTYPE_NAMES:
@@ -166,11 +166,14 @@ class ShardWriter:
         """Close every file; raise if a planned sample never arrived."""
         missing = sorted(i for sh in self._open.values() for i in sh.pending)
         missing += [i for s, p in enumerate(self.plan) if s not in self._done and s not in self._open for i in p]
+        self._release()
+        if missing:
+            raise RuntimeError(f"{self.folder}: {len(missing)} samples never written (first: {missing[:5]})")
+
+    def _release(self) -> None:
         for shard in self._open.values():
             os.close(shard.fd)
         self._open.clear()
-        if missing:
-            raise RuntimeError(f"{self.folder}: {len(missing)} samples never written (first: {missing[:5]})")
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -179,6 +182,4 @@ class ShardWriter:
         if exc_type is None:
             self.close()
         else:   # the caller's error stands; just release the files
-            for shard in self._open.values():
-                os.close(shard.fd)
-            self._open.clear()
+            self._release()
