@@ -13,12 +13,12 @@ from kvshot.drafters.block_attention import block_attention, flash_attention
 from kvshot.drafters.fused import rms_norm, soft_cross_entropy
 
 
-def plain_attention(q, k, v, bias, dk, dv):
-    """softmax over [prefix scores + bias, one score per diagonal key] (q already scaled).
-    q [B, N, G, R, D], k, v [B, N, Tk, D], bias [B, 1, 1, R, Tk], dk, dv [B, N, S, R, D]."""
+def plain_attention(q, k, v, bias, dk, dv, diag_bias=0.0):
+    """softmax over [prefix scores + bias, one score per diagonal key + diag_bias] (q already
+    scaled). q [B, N, G, R, D], k, v [B, N, Tk, D], bias [B, 1, 1, R, Tk], dk, dv [B, N, S, R, D]."""
     scores = torch.einsum("bngrd,bnkd->bngrk", q, k) + bias
     if dk is not None:
-        scores = torch.cat([scores, torch.einsum("bngrd,bnsrd->bngrs", q, dk)], dim=-1)
+        scores = torch.cat([scores, torch.einsum("bngrd,bnsrd->bngrs", q, dk) + diag_bias], dim=-1)
     probs = torch.softmax(scores, dim=-1)
     tk = k.shape[2]
     out = torch.einsum("bngrk,bnkd->bngrd", probs[..., :tk], v)
@@ -73,6 +73,30 @@ def test_block_attention_gradcheck(steps):
     fn = lambda q, k, v, *diag: block_attention(q, k, v, bias, *(diag or (None, None)))
     assert torch.autograd.gradcheck(fn, tuple(x for x in inputs if x is not None))
     torch.testing.assert_close(block_attention(q, k, v, bias, dk, dv), plain_attention(q, k, v, bias, dk, dv))
+
+
+@pytest.mark.parametrize("blind_rows", [0, 2])
+def test_steps_in_rows_attention_is_the_spread_diagonal(blind_rows):
+    """Rows (anchor, step) anchor-major with each row's own key (one call for every step):
+    both kernels equal the plain attention over each row's spread diagonal, where row
+    (anchor, k) sees the anchor's keys of steps j <= k; outputs and every gradient."""
+    (q, k, v, _, _), bias, blocks = attention_case(torch.float64, 0, blind_rows)
+    steps, (b, n, _, t, d) = 3, q.shape                       # 4 anchors x 3 steps, blocks of whole anchors
+    g = torch.Generator().manual_seed(1)
+    own_k, own_v = (torch.randn(b, n, t, d, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    spread = lambda x: x.view(b, n, t // steps, steps, d).transpose(2, 3)[:, :, :, :, None].expand(
+        b, n, steps, t // steps, steps, d).reshape(b, n, steps, t, d)   # [B, N, S(j), rows (anchor, k), D]
+    later = torch.zeros(steps, steps, dtype=torch.float64).masked_fill(
+        torch.ones(steps, steps, dtype=torch.bool).triu(1), float("-inf"))        # [k, j]
+    leaves = [q, k, v, own_k, own_v]
+    weights = torch.randn(q.shape, dtype=torch.float64, generator=g)
+    ref = plain_attention(q, k, v, bias, spread(own_k), spread(own_v), later.repeat(t // steps, 1))
+    ref_grads = torch.autograd.grad((ref * weights).sum(), leaves)
+    for ours in (flash_attention(q, k, v, own_k, own_v, blocks, steps),
+                 block_attention(q, k, v, bias, own_k, own_v, steps)):
+        torch.testing.assert_close(ours, ref)
+        for name, a, r in zip("q k v own_k own_v".split(), torch.autograd.grad((ours * weights).sum(), leaves), ref_grads):
+            torch.testing.assert_close(a, r, msg=name)
 
 
 def test_flash_attention_gradcheck():

@@ -56,9 +56,9 @@ class Unrolled:
     anchors: list[Tensor | None] = field(default_factory=list)   # per step: packed rows' anchors t [1, R]
 
 
-def at_rows(x: Tensor, rows: Tensor | None, n: int, fill=0) -> Tensor:
+def at_rows(x: Tensor, rows: Tensor | None, n: int | Tensor, fill=0) -> Tensor:
     """x[:, t + n] at every anchor t (`shift`), or for packed rows b * T + t: x[b, t + n],
-    as [1, R, ...]; `fill` past the end of a sequence."""
+    as [1, R, ...] (n: one offset, or one per row); `fill` past the end of a sequence."""
     if rows is None:
         return shift(x, n, fill)
     t = x.shape[1]
@@ -116,6 +116,9 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
         return out
     scoring_only = skip_unlabelled and not (own_tokens or keep_queries)
     rows = labelled_rows(loss_mask, steps) if scoring_only else None
+    if scoring_only and drafter.steps_in_one_pass:
+        return one_pass(drafter, state, ids, loss_mask, steps,
+                        torch.arange(b * t, device=ids.device) if rows is None else rows)
     packed = None
     if rows is not None and drafter.prefix_from_step0:
         state.pack_after_prefix = rows   # step 0 packs once its keys are the prefix (or step 1 does)
@@ -144,6 +147,26 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
         out.anchors.append(None if packed is None else state.anchors)
         if keep_queries:
             out.queries.append([attn.last_query for _, attn in drafter.kv_attentions()])
+    return out
+
+
+def one_pass(drafter: Drafter, state, ids: Tensor, loss_mask: Tensor, steps: int, rows: Tensor) -> Unrolled:
+    """`unroll` with skip_unlabelled for a drafter whose teacher-forced steps share nothing but
+    their own keys (`steps_in_one_pass`): the rows (anchor, step) of every step at once, so
+    each layer runs once on R * K rows instead of K times on R; the head on scored rows only."""
+    state.pack(rows)
+    state.spread_steps(steps)
+    step = torch.arange(steps, device=ids.device).repeat(len(rows))              # each row's step
+    anchor_rows = rows.repeat_interleave(steps)
+    h = drafter.step(state, at_rows(ids, anchor_rows, step + 1), state.anchors + step + 1, 0)[0]
+    out = Unrolled([], [], [])
+    keep = [at_rows(loss_mask, rows, k + 2, False)[0].nonzero().view(-1) for k in range(steps)]
+    logits = drafter.logits(h[torch.cat([r * steps + k for k, r in enumerate(keep)])][None])
+    for k, part in enumerate(logits.split([len(r) for r in keep], dim=1)):
+        out.logits.append(part)
+        out.valid.append(torch.ones_like(keep[k], dtype=torch.bool)[None])
+        out.rows.append(rows[keep[k]])
+        out.anchors.append(state.anchors[0, keep[k] * steps][None])
     return out
 
 

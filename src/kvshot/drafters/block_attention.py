@@ -19,17 +19,53 @@ from torch import Tensor
 from .fused import at_least_fp32
 
 
-def _diag_scores(q: Tensor, dk: Tensor) -> Tensor:
-    """q [B, N, G, R, D] . dk [B, N, S, R, D] -> [B, N, G, R, S]."""
-    return torch.einsum("bngrd,bnsrd->bngrs", q, dk)
+def _diag_scores(q: Tensor, dk: Tensor, steps: int = 0) -> Tensor:
+    """Each row's scores against its diagonal keys, [B, N, G, R, S]. q [B, N, G, R, D]; dk
+    [B, N, S, R, D], or with steps in rows [B, N, R, D] (S = steps: the keys of the row's
+    anchor; a later step's score is what it is here, `hide_later_steps` masks it)."""
+    if not steps:
+        return torch.einsum("bngrd,bnsrd->bngrs", q, dk)
+    b, n, g, rs, d = q.shape
+    return torch.einsum("bngrkd,bnrjd->bngrkj", q.view(b, n, g, rs // steps, steps, d),
+                        dk.view(b, n, rs // steps, steps, d)).reshape(b, n, g, rs, steps)
+
+
+def hide_later_steps(scores: Tensor, steps: int) -> Tensor:
+    """Steps in rows: row (anchor, k) sees its anchor's keys of steps j <= k only."""
+    if steps:
+        b, n, g, rs, s = scores.shape
+        later = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu_(1)    # [k, j]: j > k
+        scores.view(b, n, g, rs // s, s, s).masked_fill_(later, float("-inf"))
+    return scores
+
+
+def _diag_mix(p: Tensor, dv: Tensor, steps: int = 0) -> Tensor:
+    """sum_s p[..., r, s] dv[s, r]: p [B, N, G, R, S] -> [B, N, G, R, D]."""
+    if not steps:
+        return torch.einsum("bngrs,bnsrd->bngrd", p, dv)
+    b, n, g, rs, s = p.shape
+    return torch.einsum("bngrkj,bnrjd->bngrkd", p.view(b, n, g, rs // s, s, s),
+                        dv.view(b, n, rs // s, s, -1)).reshape(b, n, g, rs, -1)
+
+
+def _diag_key_grad(p: Tensor, x: Tensor, steps: int = 0) -> Tensor:
+    """The diagonal keys' (values') gradient from p [B, N, G, R, S] and x [B, N, G, R, D]:
+    [B, N, S, R, D], or [B, N, R, D] with steps in rows."""
+    if not steps:
+        return torch.einsum("bngrs,bngrd->bnsrd", p, x)
+    b, n, g, rs, s = p.shape
+    return torch.einsum("bngrkj,bngrkd->bnrjd", p.view(b, n, g, rs // s, s, s),
+                        x.reshape(b, n, g, rs // s, s, -1)).reshape(b, n, rs, -1)
 
 
 class BlockAttention(torch.autograd.Function):
     """q [B, N, G, R, D] (already scaled by 1/sqrt(D)); k, v [B, N, Tk, D]; bias broadcastable
-    to [B, N, G, R, Tk]; dk, dv [B, N, S, R, D] or None. Returns [B, N, G, R, D]."""
+    to [B, N, G, R, Tk]; dk, dv [B, N, S, R, D] or None, or with steps in rows (`steps` > 0,
+    whole anchors) [B, N, R, D] (`_diag_scores`). Returns [B, N, G, R, D]."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, dk: Tensor | None, dv: Tensor | None) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, dk: Tensor | None, dv: Tensor | None,
+                steps: int = 0) -> Tensor:
         b, n, g, r, d = q.shape
         tk = k.shape[2]
         q2 = q.reshape(b, n, g * r, d)
@@ -38,7 +74,7 @@ class BlockAttention(torch.autograd.Function):
         top = probs.amax(-1, keepdim=True)
         diag = None
         if dk is not None:
-            diag = at_least_fp32(_diag_scores(q, dk))
+            diag = hide_later_steps(at_least_fp32(_diag_scores(q, dk, steps)), steps)
             top = torch.maximum(top, diag.amax(-1, keepdim=True))
             diag.sub_(top).exp_()
         probs.sub_(top).exp_()
@@ -51,7 +87,8 @@ class BlockAttention(torch.autograd.Function):
         out = torch.matmul(p.view(b, n, g * r, tk), v).view(b, n, g, r, d)
         if diag is not None:
             diag.mul_(inv)
-            out = out + torch.einsum("bngrs,bnsrd->bngrd", diag.to(dv.dtype), dv)
+            out = out + _diag_mix(diag.to(dv.dtype), dv, steps)
+        ctx.steps = steps
         ctx.save_for_backward(q, k, v, dk, dv, p, diag, out)
         return out
 
@@ -60,7 +97,8 @@ class BlockAttention(torch.autograd.Function):
         q, k, v, dk, dv, p, diag, out = ctx.saved_tensors
         b, n, g, r, d = q.shape
         tk = k.shape[2]
-        need_q, need_k, need_v, _, need_dk, need_dv = ctx.needs_input_grad
+        need_q, need_k, need_v, _, need_dk, need_dv, _ = ctx.needs_input_grad
+        steps = ctx.steps
         go = grad_out.contiguous()
         go2 = go.view(b, n, g * r, d)
         p2 = p.view(b, n, g * r, tk)
@@ -74,19 +112,19 @@ class BlockAttention(torch.autograd.Function):
         grad_k = torch.matmul(ds.transpose(-1, -2), q.reshape(b, n, g * r, d)) if need_k else None
         grad_dk = grad_dv = None
         if diag is not None:
-            d_diag = at_least_fp32(_diag_scores(go, dv)).sub_(row_dot).mul_(diag).to(q.dtype)   # [B, N, G, R, S]
+            d_diag = at_least_fp32(_diag_scores(go, dv, steps)).sub_(row_dot).mul_(diag).to(q.dtype)   # [B, N, G, R, S]
             if need_q:
-                grad_q = grad_q + torch.einsum("bngrs,bnsrd->bngrd", d_diag, dk)
+                grad_q = grad_q + _diag_mix(d_diag, dk, steps)
             if need_dk:
-                grad_dk = torch.einsum("bngrs,bngrd->bnsrd", d_diag, q)
+                grad_dk = _diag_key_grad(d_diag, q, steps)
             if need_dv:
-                grad_dv = torch.einsum("bngrs,bngrd->bnsrd", diag.to(go.dtype), go)
-        return grad_q, grad_k, grad_v, None, grad_dk, grad_dv
+                grad_dv = _diag_key_grad(diag.to(go.dtype), go, steps)
+        return grad_q, grad_k, grad_v, None, grad_dk, grad_dv, None
 
 
 def block_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, dk: Tensor | None = None,
-                    dv: Tensor | None = None) -> Tensor:
-    return BlockAttention.apply(q, k, v, bias, dk, dv)
+                    dv: Tensor | None = None, steps: int = 0) -> Tensor:
+    return BlockAttention.apply(q, k, v, bias, dk, dv, steps)
 
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -102,10 +140,12 @@ class FlashAttention(torch.autograd.Function):
     for all blocks, so no block pays for zero-filled gradients of the whole tensors.
     q [B, N, G, Tq, D] (scaled), k, v [B, N, Tp, D], dk, dv [B, N, S, Tq, D] or None;
     blocks: (first row, end row, first key, end key, bias [B, 1, G * R, Tk], blind or None)
-    with blind [B, 1, G * R] the rows that see no prefix key."""
+    with blind [B, 1, G * R] the rows that see no prefix key. With steps in rows (`steps` > 0),
+    dk, dv are [B, N, Tq, D], as `_diag_scores` reads them."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, dk: Tensor | None, dv: Tensor | None, blocks: list) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, dk: Tensor | None, dv: Tensor | None, blocks: list,
+                steps: int = 0) -> Tensor:
         b, n, g, tq, d = q.shape
         whole = len(blocks) == 1
         out = None if whole else q.new_empty(b, n, g, tq, d)
@@ -122,7 +162,18 @@ class FlashAttention(torch.autograd.Function):
                 out[:, :, :, r0:r1] = ob.view(b, n, g, rows, d)
                 lse[:, :, :, r0:r1] = lb.view(b, n, g, rows)
         diag = None
-        if dk is not None:
+        if dk is not None and steps:
+            # rows (anchor, step): per anchor, one small product of its step rows and step keys
+            diag = hide_later_steps(_diag_scores(q, dk, steps), steps)           # [B, N, G, Tq, S]
+            top = torch.maximum(diag.amax(-1), lse)                              # [B, N, G, Tq]
+            diag.sub_(top[..., None]).exp_()
+            prefix_share = lse.sub(top).exp_()
+            total = diag.sum(-1).add_(prefix_share)
+            diag.div_(total[..., None])
+            prefix_share.div_(total)
+            out = (out * prefix_share[..., None]).add_(_diag_mix(diag, dv, steps))
+            lse = total.log_().add_(top)
+        elif dk is not None:
             # a few keys per row, step-major: broadcast products over whole [G, Tq, D] slabs
             diag = (q[:, :, None] * dk[:, :, :, None]).sum(-1)                   # [B, N, S, G, Tq]
             top = torch.maximum(diag.amax(2), lse)                               # [B, N, G, Tq]
@@ -133,7 +184,7 @@ class FlashAttention(torch.autograd.Function):
             prefix_share.div_(total)
             out = (out * prefix_share[..., None]).add_((diag[..., None] * dv[:, :, :, None]).sum(2))
             lse = total.log_().add_(top)
-        ctx.blocks = blocks
+        ctx.blocks, ctx.steps = blocks, steps
         ctx.save_for_backward(q, k, v, dk, dv, out, lse, diag)
         return out
 
@@ -141,7 +192,7 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         q, k, v, dk, dv, out, lse, diag = ctx.saved_tensors
         b, n, g, tq, d = q.shape
-        need_q, need_k, need_v, need_dk, need_dv, _ = ctx.needs_input_grad
+        need_q, need_k, need_v, need_dk, need_dv, *_ = ctx.needs_input_grad
         go = grad_out.contiguous()
         whole = len(ctx.blocks) == 1
         grad_q = None if whole else go.new_empty(b, n, g, tq, d)
@@ -161,15 +212,22 @@ class FlashAttention(torch.autograd.Function):
             if grad_v is not None:
                 grad_v[:, :, k0:k1] += gv
         grad_dk = grad_dv = None
-        if diag is not None:
+        if diag is not None and ctx.steps:
+            row_dot = (go * out).sum(-1, keepdim=True)                             # [B, N, G, Tq, 1]
+            d_diag = _diag_scores(go, dv, ctx.steps).sub_(row_dot).mul_(diag)      # [B, N, G, Tq, S]
+            grad_q = grad_q.add_(_diag_mix(d_diag, dk, ctx.steps))
+            grad_dk = _diag_key_grad(d_diag, q, ctx.steps) if need_dk else None
+            grad_dv = _diag_key_grad(diag, go, ctx.steps) if need_dv else None
+        elif diag is not None:
             go6 = go[:, :, None]                                                   # [B, N, 1, G, Tq, D]
             row_dot = (go * out).sum(-1)                                           # [B, N, G, Tq]
             d_diag = (go6 * dv[:, :, :, None]).sum(-1).sub_(row_dot[:, :, None]).mul_(diag)[..., None]   # [B, N, S, G, Tq, 1]
             grad_q = grad_q.add_((d_diag * dk[:, :, :, None]).sum(2))
             grad_dk = (d_diag * q[:, :, None]).sum(3) if need_dk else None
             grad_dv = (diag[..., None] * go6).sum(3) if need_dv else None
-        return grad_q if need_q else None, grad_k, grad_v, grad_dk, grad_dv, None
+        return grad_q if need_q else None, grad_k, grad_v, grad_dk, grad_dv, None, None
 
 
-def flash_attention(q: Tensor, k: Tensor, v: Tensor, dk: Tensor | None, dv: Tensor | None, blocks: list) -> Tensor:
-    return FlashAttention.apply(q, k, v, dk, dv, blocks)
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, dk: Tensor | None, dv: Tensor | None, blocks: list,
+                    steps: int = 0) -> Tensor:
+    return FlashAttention.apply(q, k, v, dk, dv, blocks, steps)

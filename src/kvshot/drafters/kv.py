@@ -37,12 +37,13 @@ def kv_attention(state: StepState, slot: int, attn: Attention, x: Tensor, rot: R
     """Every step's own keys are diagonals: the prefix is the target's, never the drafter's."""
     q, keys = attn.project(x, rot)
     state.diag[slot].append(keys)
-    return attn.attend(q, state.prefix[slot], state.mask(slot, q.dtype), state.diag[slot])
+    return attn.attend(q, state.prefix[slot], state.mask(slot, q.dtype), state.diagonal(slot))
 
 
 class KVDrafter(Drafter):
     paradigm = "kv"
     prefix_from_step0 = False   # the prefix is the target's: each anchor row stands alone
+    steps_in_one_pass = True    # teacher-forced, step k reads a token and earlier steps' keys, no carried state
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__(cfg)

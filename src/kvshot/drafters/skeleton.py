@@ -111,6 +111,22 @@ class Keys:
     v: Tensor
 
 
+@dataclass
+class Diagonal:
+    """Each query row's own keys. Step by step: k, v [B, H_kv, S, Tq, D], the row's keys of
+    its S earlier steps, all seen. Steps in rows (`steps` > 0, rows (anchor, step) anchor-major):
+    k, v [B, H_kv, Tq, D], each row's own key, seen by the rows of its anchor from its step on."""
+
+    k: Tensor
+    v: Tensor
+    steps: int = 0
+
+
+def stacked(keys: list[Keys]) -> Diagonal | None:
+    """One key per earlier step of the same row."""
+    return Diagonal(torch.stack([x.k for x in keys], 2), torch.stack([x.v for x in keys], 2)) if keys else None
+
+
 class Attention(nn.Module):
     """Qwen3-style attention (q/k norm, RoPE, GQA) over prefix + diagonal keys."""
 
@@ -137,24 +153,27 @@ class Attention(nn.Module):
         self.last_query = q
         return rope(q, rot), Keys(rope(k, rot), v)
 
-    def attend(self, q: Tensor, prefix: Keys, mask: "PrefixMask", diag: list[Keys]) -> Tensor:
+    def attend(self, q: Tensor, prefix: Keys, mask: "PrefixMask", diag: list[Keys] | Diagonal | None) -> Tensor:
         """q [B, H, Tq, D]; prefix keys [B, Hkv, Tp, D] seen through `mask`; diag: per earlier
-        step, keys [B, Hkv, Tq, D] of the same query row. Row blocks skip the prefix keys they
-        cannot see (a causal batch's upper triangle; other sequences' keys when packed)."""
+        step, keys [B, Hkv, Tq, D] of the same query row (or already a `Diagonal`). Row blocks
+        skip the prefix keys they cannot see (a causal batch's upper triangle; other
+        sequences' keys when packed)."""
         b, h, tq, d = q.shape
         group = h // self.n_kv
         qg = (q * (1.0 / math.sqrt(d))).view(b, self.n_kv, group, tq, d)
-        dk = torch.stack([x.k for x in diag], dim=2) if diag else None    # [B, Hkv, S, Tq, D]
-        dv = torch.stack([x.v for x in diag], dim=2) if diag else None
+        if isinstance(diag, list):
+            diag = stacked(diag)
+        dk, dv, steps = (None, None, 0) if diag is None else (diag.k, diag.v, diag.steps)
         if FLASH_ON_CPU and q.device.type == "cpu" and q.dtype == torch.float32:
-            out = flash_attention(qg, prefix.k, prefix.v, dk, dv, mask.flash_blocks(group))
+            out = flash_attention(qg, prefix.k, prefix.v, dk, dv, mask.flash_blocks(group), steps)
             return self.o_proj(out.reshape(b, h, tq, d).transpose(1, 2).reshape(b, tq, h * d))
         bias = mask.bias
         outs = []
-        for r0, r1, k0, k1 in mask.blocks:
+        rows = (slice(None),) * (2 if steps else 3)   # the diagonal keys' row dim
+        for r0, r1, k0, k1 in mask.blocks:   # with steps in rows, blocks hold whole anchors
             outs.append(block_attention(qg[:, :, :, r0:r1], prefix.k[:, :, k0:k1], prefix.v[:, :, k0:k1],
-                                        bias[:, :, :, r0:r1, k0:k1], None if dk is None else dk[:, :, :, r0:r1],
-                                        None if dv is None else dv[:, :, :, r0:r1]))
+                                        bias[:, :, :, r0:r1, k0:k1], None if dk is None else dk[rows + (slice(r0, r1),)],
+                                        None if dv is None else dv[rows + (slice(r0, r1),)], steps))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
         return self.o_proj(out.reshape(b, h, tq, d).transpose(1, 2).reshape(b, tq, h * d))
 
@@ -168,6 +187,13 @@ class PrefixMask:
     bias: Tensor                               # [B, 1, 1, Tq, Tp]: 0 where visible, -inf elsewhere
     blocks: list[tuple[int, int, int, int]]    # (first row, end row, first key, end key)
     _flash: dict = field(default_factory=dict, repr=False)
+
+    def spread(self, steps: int) -> "PrefixMask":
+        """Each row as `steps` consecutive rows that see the same keys."""
+        if steps == 1:
+            return self
+        return PrefixMask(self.bias.repeat_interleave(steps, dim=3),
+                          [(r0 * steps, r1 * steps, k0, k1) for r0, r1, k0, k1 in self.blocks])
 
     def flash_blocks(self, group: int) -> list:
         """The blocks with their bias for the fused kernel, whose rows are (head in group, row):
@@ -183,7 +209,10 @@ class PrefixMask:
         return self._flash[group]
 
 
-BLOCK_ROWS: int | None = None   # split attention row blocks further (None: one block per packed sequence)
+# query rows per attention block (None: one block per packed sequence). A sequence's rows up to
+# here run as one block: a fused kernel call costs more than the invisible keys it would skip
+# in a short block; past it, blocks skip the keys past their last anchor.
+BLOCK_ROWS: int | None = 512
 FLASH_ON_CPU = True             # fp32 on CPU: PyTorch's fused flash kernel for the prefix keys
 
 
@@ -237,10 +266,11 @@ class StepState:
     hidden: Tensor | None = None          # hidden-state paradigms: the carried state
     extra: dict = field(default_factory=dict)
 
+    steps_in_rows: int = 0                # > 0: rows are (anchor, step) pairs, anchor-major (`spread_steps`)
     row_seq: Tensor | None = None         # packed rows: [1, Tq] the sequence of each row
     pack_after_prefix: Tensor | None = None   # rows to pack once step 0 has written every prefix key
     prefix_seq: list[Tensor | None] = field(default_factory=list)   # packed: per layer [1, Tp] each key's sequence
-    _masks: dict = field(default_factory=dict, repr=False)   # slot -> (what it was built from, PrefixMask)
+    _masks: list = field(default_factory=list, repr=False)   # (what it was built from, PrefixMask)
 
     def select_rows(self, rows: Tensor | slice) -> None:
         """Keep only some query rows (decoding: after step 0 over the newly accepted tokens,
@@ -267,8 +297,12 @@ class StepState:
         def take(x: Tensor, dim: int) -> Tensor:   # rows along `dim` -> one packed row dim
             return x.movedim(dim, 1).reshape(b * tq, *x.shape[1:dim], *x.shape[dim + 1:])[rows][None].movedim(1, dim)
 
+        done: dict[int, Tensor] = {}   # slots that share a tensor share its packed form (and their masks)
+
         def concat(x: Tensor, dim: int) -> Tensor:   # every sequence's keys in one row dim
-            return x.movedim(dim, 1).reshape(1, -1, *x.shape[1:dim], *x.shape[dim + 1:]).movedim(1, dim)
+            if id(x) not in done:
+                done[id(x)] = x.movedim(dim, 1).reshape(1, -1, *x.shape[1:dim], *x.shape[dim + 1:]).movedim(1, dim)
+            return done[id(x)]
 
         self.row_seq = (rows // tq)[None]
         self.prefix_seq = [None if a is None else torch.arange(b, device=a.device).repeat_interleave(a.shape[1])[None]
@@ -280,32 +314,53 @@ class StepState:
         self.pack_after_prefix = None
         return take
 
-    def visible(self, slot: int) -> Tensor:
+    def spread_steps(self, steps: int) -> None:
+        """Training, a drafter whose steps share nothing but their own keys: each query row
+        becomes `steps` rows (anchor-major), one per step, all computed in one call."""
+        self._take_rows(lambda x, dim: x.repeat_interleave(steps, dim))
+        if self.row_seq is not None:
+            self.row_seq = self.row_seq.repeat_interleave(steps, 1)
+        self.steps_in_rows = steps
+
+    def diagonal(self, slot: int) -> list[Keys] | Diagonal:
+        """The slot's own keys for `Attention.attend`: every earlier step's key of the row, or,
+        with steps in rows, the keys one call wrote for every row."""
+        if not self.steps_in_rows:
+            return self.diag[slot]
+        (own,) = self.diag[slot]
+        return Diagonal(own.k, own.v, self.steps_in_rows)
+
+    def visible(self, slot: int, every: int = 1) -> Tensor:
         """[B, Tq, Tp]: a prefix key is visible to an anchor computed no later than it (packed:
-        of the same sequence)."""
-        vis = self.prefix_anchor[slot][:, None, :] <= self.anchors[:, :, None]
+        of the same sequence); `every`: only every so many rows."""
+        anchors = self.anchors[:, ::every]
+        vis = self.prefix_anchor[slot][:, None, :] <= anchors[:, :, None]
         if self.prefix_valid[slot] is not None:
             vis = vis & self.prefix_valid[slot][:, None, :].bool()
         if self.row_seq is not None:
-            vis = vis & (self.prefix_seq[slot][:, None, :] == self.row_seq[:, :, None])
+            vis = vis & (self.prefix_seq[slot][:, None, :] == self.row_seq[:, ::every, None])
         return vis
 
-    def segments(self) -> list[tuple[int, int]] | None:
+    def segments(self, every: int = 1) -> list[tuple[int, int]] | None:
         """Packed rows: the row range of each sequence (rows are in sequence order)."""
         if self.row_seq is None:
             return None
-        seq = self.row_seq[0]
+        seq = self.row_seq[0, ::every]
         starts = [0] + (torch.nonzero(seq[1:] != seq[:-1]).view(-1) + 1).tolist() + [len(seq)]
         return list(zip(starts[:-1], starts[1:]))
 
     def mask(self, slot: int, dtype: torch.dtype) -> PrefixMask:
-        """`visible` as a PrefixMask, rebuilt only when the prefix or the rows change."""
+        """`visible` as a PrefixMask, rebuilt only when the prefix or the rows change (slots
+        with the same prefix share one). Steps in rows: built per anchor, then spread."""
         built_from = (self.prefix_anchor[slot], self.prefix_valid[slot], self.anchors)
-        cached = self._masks.get(slot)
-        if cached is None or any(a is not b for a, b in zip(cached[0], built_from)):
-            cached = (built_from, prefix_mask(self.visible(slot), dtype, self.segments()))
-            self._masks[slot] = cached
-        return cached[1]
+        for cached_from, cached in self._masks:
+            if all(a is b for a, b in zip(cached_from, built_from)):
+                return cached
+        every = self.steps_in_rows or 1   # built per anchor: an anchor's step rows see the same keys
+        block_rows = BLOCK_ROWS and max(1, BLOCK_ROWS // every)
+        mask = prefix_mask(self.visible(slot, every), dtype, self.segments(every), block_rows).spread(every)
+        self._masks = [(f, m) for f, m in self._masks if f[2] is self.anchors] + [(built_from, mask)]
+        return mask
 
 
 class Drafter(nn.Module):
@@ -316,6 +371,7 @@ class Drafter(nn.Module):
     reads_aux_hidden = False   # whether `begin` needs the target's aux hidden states
     prefix_from_step0 = True   # step 0's keys are the prefix of later anchors: every anchor runs step 0
     causal_lm = False          # a plain causal LM: teacher-forced step k at anchor t = step 0 at anchor t + k
+    steps_in_one_pass = False  # teacher-forced steps share only their own keys: every step in one call (`unroll`)
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
