@@ -37,7 +37,7 @@ from kvshot.drafters.skeleton import Attention
 from kvshot.features import open_features
 from kvshot.target import build_target, load_target, target_forward
 from kvshot.train import build_variant
-from kvshot.ttt import shift, step_losses, target_labels, unroll, weighted_loss
+from kvshot.ttt import label_positions, shift, step_losses, target_labels, unroll, weighted_loss
 
 SPEEDUP_TARGET, PEAK_SHARE_TARGET = 2.0, 0.40
 
@@ -123,7 +123,7 @@ def reference_loss(model, batch, head_w, steps, decay):
 
 def ours_loss(model, batch, head_w, steps, decay):
     """The trainer's step: labels once per batch, the unroll DDP wraps (`Drafter.forward`)."""
-    labels = target_labels(batch["last_hidden"], head_w, model.d2t)
+    labels = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
     losses, *_ = step_losses(model, model(batch, steps), batch, labels)
     return weighted_loss(losses, decay)
 

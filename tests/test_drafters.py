@@ -10,7 +10,7 @@ import torch
 from kvshot.features import open_features
 from kvshot.target import load_target
 from kvshot.train import build_variant, draft_vocab, kv_key_share, param_groups, variant_config
-from kvshot.ttt import context, shift, step_losses, target_labels, unroll, weighted_loss
+from kvshot.ttt import context, label_positions, shift, step_losses, target_labels, unroll, weighted_loss
 
 K = 4
 VARIANTS = {
@@ -143,6 +143,13 @@ def test_labels_are_the_target_distribution(setup, tiny):
     assert torch.equal(labels.argmax, logits.argmax(-1))
     # step k's label for anchor t is the target's view at position t+k+1
     assert torch.equal(shift(labels.argmax, 3)[0, :-3], labels.argmax[0, 3:])
+    # only the positions a loss reads: the same there, nothing elsewhere
+    where = label_positions(batch)
+    assert 0 < int(where.sum()) < where.numel()
+    some = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), d2t, chunk=7, positions=where)
+    torch.testing.assert_close(some.probs[where], labels.probs[where])
+    assert torch.equal(some.argmax[where], labels.argmax[where])
+    assert not some.probs[~where].any() and not some.argmax[~where].any()
 
 
 def test_context_excludes_labels(setup):
@@ -169,9 +176,12 @@ def test_skipping_unlabelled_anchors_keeps_loss_and_gradients(setup, paradigm, b
     model = make(setup, paradigm).train()
     batch = src.batch([0, 1, 2, 3])          # different lengths: padding, user turns unlabelled
     assert (batch["loss_mask"] == 0).float().mean() > 0.2
-    labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t)
+    every = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t)
     results = []
     for skip in (False, True):
+        # the trainer's labels: only the positions a loss reads
+        labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t,
+                               positions=label_positions(batch)) if skip else every
         model.zero_grad(set_to_none=True)
         un = unroll(model, batch, K, skip_unlabelled=skip)
         losses, counts, correct, acc_n = step_losses(model, un, batch, labels)

@@ -20,7 +20,8 @@ from .drafters.standalone import init_from_target
 from .features import FeatureSource, open_features
 from .io import read_json, write_json
 from .target import load_target, lr_at, rope_theta, target_queries
-from .ttt import Unrolled, query_cosine, scored_tokens, step_losses, target_labels, unroll, weighted_loss
+from .ttt import (Unrolled, label_positions, query_cosine, scored_tokens, step_losses, target_labels, unroll,
+                  weighted_loss)
 
 
 def launcher_args(num_processes: int) -> list[str]:
@@ -140,7 +141,7 @@ def evaluate(model: Drafter, source: FeatureSource, head_w: torch.Tensor, steps:
     for i, batch in enumerate(batches(source, batch_size)):
         if i >= max_batches:
             break
-        labels = target_labels(batch["last_hidden"], head_w, model.d2t)
+        labels = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
         un = unroll(model, batch, steps, keep_queries=bool(kv) and target is not None)
         losses, counts, correct, acc_n = step_losses(model, un, batch, labels)
         for k in range(steps):
@@ -247,7 +248,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
             continue
         ids = order[progress["cursor"]: progress["cursor"] + bs].tolist()[rank::world]
         batch = {k: t.to(rt.device) for k, t in _truncate(train_src.batch(ids), tc["max_len"]).items()}
-        labels = target_labels(batch["last_hidden"], head_w, model.d2t)
+        labels = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
         local = torch.tensor([float(scored_tokens(batch, labels, model.t2d, k)[1].sum()) for k in range(steps_k)])
         denominators = (accel.reduce(local.to(accel.device), "sum").cpu().clamp(min=1) / world).tolist()
         un: Unrolled = ddp(batch, steps_k)

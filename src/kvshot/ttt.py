@@ -34,17 +34,32 @@ class TargetLabels:
 
 
 @torch.no_grad()
-def target_labels(last_hidden: Tensor, lm_head_weight: Tensor, d2t: Tensor, chunk: int = 1024) -> TargetLabels:
+def target_labels(last_hidden: Tensor, lm_head_weight: Tensor, d2t: Tensor, chunk: int = 1024,
+                  positions: Tensor | None = None) -> TargetLabels:
     """Full-vocab argmax (for acc and the in-draft-vocab mask) and draft-vocab soft labels,
-    chunked over positions so a 152k vocabulary never materializes for the whole batch."""
+    chunked over positions so a 152k vocabulary never materializes for the whole batch.
+    positions [B, T]: only these (`label_positions`); elsewhere probs 0 and argmax 0."""
     b, t, h = last_hidden.shape
     flat = last_hidden.reshape(-1, h).to(lm_head_weight.dtype)
+    idx = None if positions is None else positions.flatten().nonzero().view(-1)
+    src = flat if idx is None else flat.index_select(0, idx)
     probs, argmax = [], []
-    for i in range(0, flat.shape[0], chunk):
-        logits = flat[i: i + chunk] @ lm_head_weight.T
+    for i in range(0, src.shape[0], chunk):
+        logits = src[i: i + chunk] @ lm_head_weight.T
         argmax.append(logits.argmax(-1))
         probs.append(torch.softmax(logits[:, d2t].float(), dim=-1))
-    return TargetLabels(torch.cat(probs).view(b, t, -1), torch.cat(argmax).view(b, t))
+    probs = torch.cat(probs) if probs else flat.new_zeros(0, len(d2t), dtype=torch.float32)
+    argmax = torch.cat(argmax) if argmax else torch.zeros(0, dtype=torch.long, device=flat.device)
+    if idx is not None:
+        probs = probs.new_zeros(b * t, probs.shape[1]).index_copy_(0, idx, probs)
+        argmax = argmax.new_zeros(b * t).index_copy_(0, idx, argmax)
+    return TargetLabels(probs.view(b, t, -1), argmax.view(b, t))
+
+
+def label_positions(batch: dict[str, Tensor]) -> Tensor:
+    """[B, T]: the positions whose target view a loss or accuracy reads: step k at anchor t
+    reads position t+k+1 when x_{t+k+2} is a (non-padding) assistant token."""
+    return shift(batch["loss_mask"].bool() & batch["attention_mask"].bool(), 1, False)
 
 
 @dataclass
@@ -63,7 +78,7 @@ def at_rows(x: Tensor, rows: Tensor | None, n: int | Tensor, fill=0) -> Tensor:
         return shift(x, n, fill)
     t = x.shape[1]
     past = (rows % t + n >= t)
-    out = x.reshape(-1, *x.shape[2:])[(rows + n).clamp(max=x.shape[0] * t - 1)]
+    out = x.reshape(-1, *x.shape[2:]).index_select(0, (rows + n).clamp(max=x.shape[0] * t - 1))
     out = out.masked_fill(past.view(-1, *[1] * (x.dim() - 2)), fill) if bool(past.any()) else out
     return out[None]
 
@@ -119,7 +134,7 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
     if scoring_only and drafter.steps_in_one_pass:
         return one_pass(drafter, state, ids, loss_mask, steps,
                         torch.arange(b * t, device=ids.device) if rows is None else rows)
-    packed = None
+    packed, heads = None, []
     if rows is not None and drafter.prefix_from_step0:
         state.pack_after_prefix = rows   # step 0 packs once its keys are the prefix (or step 1 does)
     for k in range(steps):
@@ -136,7 +151,7 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
         valid = at_rows(loss_mask, packed, k + 2, False)
         if scoring_only:   # the head and the loss only where step k has a label
             keep = valid.flatten().nonzero().view(-1)
-            out.logits.append(drafter.logits(h.reshape(-1, h.shape[-1])[keep][None]))
+            heads.append(h.reshape(-1, h.shape[-1]).index_select(0, keep))
             out.valid.append(valid.flatten()[keep][None])
             out.rows.append((torch.arange(b * t, device=ids.device) if packed is None else packed)[keep])
             out.anchors.append(state.anchors.flatten()[keep][None])
@@ -147,6 +162,8 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
         out.anchors.append(None if packed is None else state.anchors)
         if keep_queries:
             out.queries.append([attn.last_query for _, attn in drafter.kv_attentions()])
+    if scoring_only:
+        out.logits = [drafter.logits(x[None]) for x in heads]
     return out
 
 
