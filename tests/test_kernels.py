@@ -119,12 +119,14 @@ def test_rms_norm_and_soft_cross_entropy():
     assert torch.equal(top, z.argmax(-1))
 
 
+@pytest.mark.parametrize("block_rows", [512, 12])   # 12: blocks of a few anchors (KV-only: 12 // K rows x K steps)
 @pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid"])
-def test_unroll_with_either_attention_has_the_same_loss_and_gradients(paradigm, monkeypatch):
+def test_unroll_with_either_attention_has_the_same_loss_and_gradients(paradigm, block_rows, monkeypatch):
     """The packed TTT loss and its gradients through the flash kernel equal the portable path."""
     from kvshot.drafters import DrafterConfig, build_drafter, skeleton
     from kvshot.ttt import step_losses, target_labels, unroll, weighted_loss
 
+    monkeypatch.setattr(skeleton, "BLOCK_ROWS", block_rows)
     torch.manual_seed(0)
     h, layers, vocab, b, t = 32, 4, 64, 3, 40
     cfg = DrafterConfig(paradigm=paradigm, hidden_size=h, num_layers=1, num_attention_heads=4,

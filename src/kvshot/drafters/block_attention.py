@@ -26,8 +26,8 @@ def _diag_scores(q: Tensor, dk: Tensor, steps: int = 0) -> Tensor:
     if not steps:
         return torch.einsum("bngrd,bnsrd->bngrs", q, dk)
     b, n, g, rs, d = q.shape
-    return torch.einsum("bngrkd,bnrjd->bngrkj", q.view(b, n, g, rs // steps, steps, d),
-                        dk.view(b, n, rs // steps, steps, d)).reshape(b, n, g, rs, steps)
+    return torch.einsum("bngrkd,bnrjd->bngrkj", q.reshape(b, n, g, rs // steps, steps, d),
+                        dk.reshape(b, n, rs // steps, steps, d)).reshape(b, n, g, rs, steps)
 
 
 def hide_later_steps(scores: Tensor, steps: int) -> Tensor:
@@ -35,7 +35,7 @@ def hide_later_steps(scores: Tensor, steps: int) -> Tensor:
     if steps:
         b, n, g, rs, s = scores.shape
         later = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu_(1)    # [k, j]: j > k
-        scores.view(b, n, g, rs // s, s, s).masked_fill_(later, float("-inf"))
+        scores = scores.reshape(b, n, g, rs // s, s, s).masked_fill(later, float("-inf")).view(b, n, g, rs, s)
     return scores
 
 
@@ -44,8 +44,8 @@ def _diag_mix(p: Tensor, dv: Tensor, steps: int = 0) -> Tensor:
     if not steps:
         return torch.einsum("bngrs,bnsrd->bngrd", p, dv)
     b, n, g, rs, s = p.shape
-    return torch.einsum("bngrkj,bnrjd->bngrkd", p.view(b, n, g, rs // s, s, s),
-                        dv.view(b, n, rs // s, s, -1)).reshape(b, n, g, rs, -1)
+    return torch.einsum("bngrkj,bnrjd->bngrkd", p.reshape(b, n, g, rs // s, s, s),
+                        dv.reshape(b, n, rs // s, s, -1)).reshape(b, n, g, rs, -1)
 
 
 def _diag_key_grad(p: Tensor, x: Tensor, steps: int = 0) -> Tensor:
@@ -54,7 +54,7 @@ def _diag_key_grad(p: Tensor, x: Tensor, steps: int = 0) -> Tensor:
     if not steps:
         return torch.einsum("bngrs,bngrd->bnsrd", p, x)
     b, n, g, rs, s = p.shape
-    return torch.einsum("bngrkj,bngrkd->bnrjd", p.view(b, n, g, rs // s, s, s),
+    return torch.einsum("bngrkj,bngrkd->bnrjd", p.reshape(b, n, g, rs // s, s, s),
                         x.reshape(b, n, g, rs // s, s, -1)).reshape(b, n, rs, -1)
 
 
