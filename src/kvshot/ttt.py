@@ -56,10 +56,15 @@ def target_labels(last_hidden: Tensor, lm_head_weight: Tensor, d2t: Tensor, chun
     return TargetLabels(probs.view(b, t, -1), argmax.view(b, t))
 
 
+def assistant_tokens(batch: dict[str, Tensor]) -> Tensor:
+    """[B, T] bool: the tokens a loss scores (assistant, not padding)."""
+    return batch["loss_mask"].bool() & batch["attention_mask"].bool()
+
+
 def label_positions(batch: dict[str, Tensor]) -> Tensor:
     """[B, T]: the positions whose target view a loss or accuracy reads: step k at anchor t
     reads position t+k+1 when x_{t+k+2} is a (non-padding) assistant token."""
-    return shift(batch["loss_mask"].bool() & batch["attention_mask"].bool(), 1, False)
+    return shift(assistant_tokens(batch), 1, False)
 
 
 @dataclass
@@ -117,7 +122,7 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
     the rows `Unrolled.rows[k]`."""
     ids = batch["input_ids"].long()
     b, t = ids.shape
-    loss_mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+    loss_mask = assistant_tokens(batch)
     state = drafter.begin(context(batch), torch.arange(t, device=ids.device).expand(b, -1))
     out = Unrolled([], [], [])
     if drafter.causal_lm and not own_tokens:
@@ -134,7 +139,7 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
     if scoring_only and drafter.steps_in_one_pass:
         return one_pass(drafter, state, ids, loss_mask, steps,
                         torch.arange(b * t, device=ids.device) if rows is None else rows)
-    packed, heads = None, []
+    packed = None
     if rows is not None and drafter.prefix_from_step0:
         state.pack_after_prefix = rows   # step 0 packs once its keys are the prefix (or step 1 does)
     for k in range(steps):
@@ -151,7 +156,7 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
         valid = at_rows(loss_mask, packed, k + 2, False)
         if scoring_only:   # the head and the loss only where step k has a label
             keep = valid.flatten().nonzero().view(-1)
-            heads.append(h.reshape(-1, h.shape[-1]).index_select(0, keep))
+            out.logits.append(drafter.logits(h.reshape(-1, h.shape[-1]).index_select(0, keep)[None]))
             out.valid.append(valid.flatten()[keep][None])
             out.rows.append((torch.arange(b * t, device=ids.device) if packed is None else packed)[keep])
             out.anchors.append(state.anchors.flatten()[keep][None])
@@ -162,8 +167,6 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
         out.anchors.append(None if packed is None else state.anchors)
         if keep_queries:
             out.queries.append([attn.last_query for _, attn in drafter.kv_attentions()])
-    if scoring_only:
-        out.logits = [drafter.logits(x[None]) for x in heads]
     return out
 
 
@@ -190,7 +193,7 @@ def one_pass(drafter: Drafter, state, ids: Tensor, loss_mask: Tensor, steps: int
 def scored_tokens(batch: dict[str, Tensor], labels: TargetLabels, t2d: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Step k's masks at anchor t: `valid` (x_{t+k+2} exists and is an assistant token) and
     `scored` (also the target's greedy token is in the draft vocab: EAGLE-3's loss mask)."""
-    valid = shift(batch["loss_mask"].bool() & batch["attention_mask"].bool(), k + 2, False)
+    valid = shift(assistant_tokens(batch), k + 2, False)
     return valid, valid & t2d[shift(labels.argmax, k + 1)]
 
 

@@ -131,6 +131,19 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def _merge_diagonal(out: Tensor, lse: Tensor, diag: Tensor, dim: int, mix) -> tuple[Tensor, Tensor]:
+    """Join the prefix keys' output and logsumexp [B, N, G, Tq] with the diagonal scores `diag`
+    (one per diagonal key along `dim`) by logsumexp. `diag` becomes the diagonal keys' share of
+    the probabilities (in place); `mix(diag)` is their output. Returns the joint (out, lse)."""
+    top = torch.maximum(diag.amax(dim), lse)
+    diag.sub_(top.unsqueeze(dim)).exp_()
+    prefix_share = lse.sub(top).exp_()
+    total = diag.sum(dim).add_(prefix_share)
+    diag.div_(total.unsqueeze(dim))
+    prefix_share.div_(total)
+    return (out * prefix_share[..., None]).add_(mix(diag)), total.log_().add_(top)
+
+
 class FlashAttention(torch.autograd.Function):
     """Every row block of one attention call through PyTorch's fused CPU flash kernel for the
     prefix keys, which also returns their logsumexp; the diagonal keys (per row, so done once
@@ -165,25 +178,11 @@ class FlashAttention(torch.autograd.Function):
         if dk is not None and steps:
             # rows (anchor, step): per anchor, one small product of its step rows and step keys
             diag = hide_later_steps(_diag_scores(q, dk, steps), steps)           # [B, N, G, Tq, S]
-            top = torch.maximum(diag.amax(-1), lse)                              # [B, N, G, Tq]
-            diag.sub_(top[..., None]).exp_()
-            prefix_share = lse.sub(top).exp_()
-            total = diag.sum(-1).add_(prefix_share)
-            diag.div_(total[..., None])
-            prefix_share.div_(total)
-            out = (out * prefix_share[..., None]).add_(_diag_mix(diag, dv, steps))
-            lse = total.log_().add_(top)
+            out, lse = _merge_diagonal(out, lse, diag, -1, lambda p: _diag_mix(p, dv, steps))
         elif dk is not None:
             # a few keys per row, step-major: broadcast products over whole [G, Tq, D] slabs
             diag = (q[:, :, None] * dk[:, :, :, None]).sum(-1)                   # [B, N, S, G, Tq]
-            top = torch.maximum(diag.amax(2), lse)                               # [B, N, G, Tq]
-            diag.sub_(top[:, :, None]).exp_()
-            prefix_share = lse.sub(top).exp_()
-            total = diag.sum(2).add_(prefix_share)
-            diag.div_(total[:, :, None])
-            prefix_share.div_(total)
-            out = (out * prefix_share[..., None]).add_((diag[..., None] * dv[:, :, :, None]).sum(2))
-            lse = total.log_().add_(top)
+            out, lse = _merge_diagonal(out, lse, diag, 2, lambda p: (p[..., None] * dv[:, :, :, None]).sum(2))
         ctx.blocks, ctx.steps = blocks, steps
         ctx.save_for_backward(q, k, v, dk, dv, out, lse, diag)
         return out
