@@ -7,7 +7,9 @@ softmax computed at every step and then indexed to the draft vocabulary (renorma
 the loss is the same). Both must give the same loss and gradients before they are timed.
 Also: the hidden-only drafter's achieved FLOP rate against this CPU's fp32 matmul peak
 measured in the same run (the median of measurements before every variant, since the
-machine's speed drifts; the flop counter is given the CPU flash kernel's formulas).
+machine's speed drifts; the flop counter is given the CPU flash kernel's formulas), and for
+every variant how much more matmul work the reference does: the speedup is that work ratio
+times our FLOP rate over the reference's.
 
 Targets: >= 2x the reference's tokens/s for every paradigm; >= 40% of the matmul peak for
 the hidden-only drafter. Prints the ratios last; exits non-zero when a target is missed.
@@ -213,17 +215,24 @@ def main() -> int:
         for b in batches:   # interleaved, so a change in machine load hits both alike
             t_ref += timed(reference_loss, model, b, head_w, steps, decay, args.iters)
             t_ours += timed(ours_loss, model, b, head_w, steps, decay, args.iters)
-        with FlopCounterMode(display=False) as fc:
-            for b in batches:
-                ours_loss(model, b, head_w, steps, decay).backward()
-        rate = fc.get_total_flops() / t_ours
+        flops = {}
+        for fn in (ours_loss, reference_loss):
+            with FlopCounterMode(display=False) as fc:
+                for b in batches:
+                    fn(model, b, head_w, steps, decay).backward()
+            flops[fn] = fc.get_total_flops()
+        rate = flops[ours_loss] / t_ours
+        # speedup = (the reference's flops / ours) x (our flop rate / the reference's)
         rows.append({"variant": v["name"], "same_loss_and_grads": bool(same), "ours_tokens_per_s": tokens / t_ours,
-                     "reference_tokens_per_s": tokens / t_ref, "speedup": t_ref / t_ours, "gflops": rate / 1e9})
+                     "reference_tokens_per_s": tokens / t_ref, "speedup": t_ref / t_ours, "gflops": rate / 1e9,
+                     "reference_gflops": flops[reference_loss] / t_ref / 1e9,
+                     "work_ratio": flops[reference_loss] / flops[ours_loss]})
     labelled = sum(float((b["loss_mask"] * b["attention_mask"]).sum()) for b in batches) / sum(
         b["attention_mask"].numel() for b in batches)
     peak = statistics.median(peaks)
     for row in rows:   # every row against the run's median peak
         row["peak_share"] = row["gflops"] * 1e9 / peak
+        row["reference_peak_share"] = row["reference_gflops"] * 1e9 / peak
     ok = all(r["same_loss_and_grads"] and r["speedup"] >= SPEEDUP_TARGET for r in rows) and all(
         r["peak_share"] >= PEAK_SHARE_TARGET for r, v in zip(rows, dcfg["variants"]) if v["paradigm"] == "hidden")
     out = {"batch": source, "labelled_share": labelled, "matmul_peak_gflops": peak / 1e9,
@@ -234,10 +243,12 @@ def main() -> int:
     print(f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s (median of {len(peaks)} measurements through the run, "
           f"{min(peaks) / 1e9:.0f}-{max(peaks) / 1e9:.0f}) on {torch.get_num_threads()} threads; "
           f"{tokens} tokens in {len(batches)} steps, K = {steps}; {source}, {labelled:.0%} of positions labelled")
-    print(f"{'variant':10s} {'same':>5s} {'ours tok/s':>11s} {'ref tok/s':>10s} {'GFLOP/s':>8s} {'of peak':>8s}")
+    print(f"{'variant':10s} {'same':>5s} {'ours tok/s':>11s} {'ref tok/s':>10s} {'GFLOP/s':>8s} {'of peak':>8s} "
+          f"{'ref of peak':>12s} {'ref/ours flops':>15s}")
     for r in rows:
         print(f"{r['variant']:10s} {str(r['same_loss_and_grads']):>5s} {r['ours_tokens_per_s']:11.0f} "
-              f"{r['reference_tokens_per_s']:10.0f} {r['gflops']:8.1f} {r['peak_share']:8.1%}")
+              f"{r['reference_tokens_per_s']:10.0f} {r['gflops']:8.1f} {r['peak_share']:8.1%} "
+              f"{r['reference_peak_share']:12.1%} {r['work_ratio']:15.2f}")
     print("speedup vs reference: " + ", ".join(f"{r['variant']} {r['speedup']:.2f}x" for r in rows)
           + f" (target >= {SPEEDUP_TARGET}x); hidden-only at "
           + ", ".join(f"{r['peak_share']:.0%}" for r, v in zip(rows, dcfg["variants"]) if v["paradigm"] == "hidden")

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvshot.drafters.block_attention import block_attention, flash_attention
-from kvshot.drafters.fused import rms_norm, soft_cross_entropy
+from kvshot.drafters.fused import first_argmax, rms_norm, soft_cross_entropy
 
 
 def plain_attention(q, k, v, bias, dk, dv, diag_bias=0.0):
@@ -43,10 +43,18 @@ def attention_case(dtype, steps: int, blind_rows: int = 0, seed: int = 0):
     bias = torch.zeros(t, tp, dtype=dtype).masked_fill(~visible, float("-inf"))[None, None, None]
     blocks = []
     for r0, r1, k0, k1 in [(0, 6, 0, 7), (6, 12, 7, 12)]:
-        rows = bias[:, 0, 0, r0:r1, k0:k1][:, None].expand(-1, grp, -1, -1).reshape(b, 1, grp * (r1 - r0), k1 - k0)
+        rows = bias[:, 0, :, r0:r1, k0:k1]                                   # [B, 1, R, Tk]: every head alike
         blind = torch.isinf(rows).all(-1)
         blocks.append((r0, r1, k0, k1, rows, blind if bool(blind.any()) else None))
     return (q, k, v, dk, dv), bias, blocks
+
+
+def flash(q, k, v, dk, dv, blocks, steps=0):
+    """`flash_attention` on the [B, N, G, R, D] layout the plain reference uses (q scaled):
+    its queries are [B, H, R, D] heads, here in the [B, R, H, D] memory the drafter gives it."""
+    b, n, g, r, d = q.shape
+    heads = q.permute(0, 3, 1, 2, 4).reshape(b, r, n * g, d).transpose(1, 2)
+    return flash_attention(heads, k, v, dk, dv, blocks, steps).unflatten(1, (n, g))
 
 
 @pytest.mark.parametrize("steps,blind_rows", [(0, 0), (3, 0), (3, 2)])
@@ -56,7 +64,7 @@ def test_flash_attention_matches_autograd(steps, blind_rows):
     q, k, v, dk, dv = inputs
     leaves = [x for x in inputs if x is not None]
     weights = torch.randn(q.shape, dtype=torch.float64)
-    ours = flash_attention(q, k, v, dk, dv, blocks)
+    ours = flash(q, k, v, dk, dv, blocks)
     grads = torch.autograd.grad((ours * weights).sum(), leaves)
     ref = plain_attention(q, k, v, bias, dk, dv)
     ref_grads = torch.autograd.grad((ref * weights).sum(), leaves)
@@ -92,7 +100,7 @@ def test_steps_in_rows_attention_is_the_spread_diagonal(blind_rows):
     weights = torch.randn(q.shape, dtype=torch.float64, generator=g)
     ref = plain_attention(q, k, v, bias, spread(own_k), spread(own_v), later.repeat(t // steps, 1))
     ref_grads = torch.autograd.grad((ref * weights).sum(), leaves)
-    for ours in (flash_attention(q, k, v, own_k, own_v, blocks, steps),
+    for ours in (flash(q, k, v, own_k, own_v, blocks, steps),
                  block_attention(q, k, v, bias, own_k, own_v, steps)):
         torch.testing.assert_close(ours, ref)
         for name, a, r in zip("q k v own_k own_v".split(), torch.autograd.grad((ours * weights).sum(), leaves), ref_grads):
@@ -101,7 +109,7 @@ def test_steps_in_rows_attention_is_the_spread_diagonal(blind_rows):
 
 def test_flash_attention_gradcheck():
     inputs, _, blocks = attention_case(torch.float64, 2, blind_rows=1)
-    fn = lambda q, k, v, dk, dv: flash_attention(q, k, v, dk, dv, blocks)
+    fn = lambda q, k, v, dk, dv: flash(q, k, v, dk, dv, blocks)
     assert torch.autograd.gradcheck(fn, inputs)
 
 
@@ -117,6 +125,10 @@ def test_rms_norm_and_soft_cross_entropy():
     ce, top = soft_cross_entropy(z, p)
     torch.testing.assert_close(ce, -(p * torch.log_softmax(z, -1)).sum(-1))
     assert torch.equal(top, z.argmax(-1))
+    wide = torch.randn(5, 256, generator=g)
+    wide[1, 200] = wide[1, 70] = wide[1].max() + 1                      # a tie: the first one wins
+    wide[3, 0] = wide[3, 255] = wide[3].max() + 1
+    assert torch.equal(first_argmax(wide), wide.argmax(-1)) and first_argmax(wide)[1] == 70
 
 
 @pytest.mark.parametrize("block_rows", [512, 12])   # 12: blocks of a few anchors (KV-only: 12 // K rows x K steps)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .drafters import Drafter
-from .drafters.fused import soft_cross_entropy
+from .drafters.fused import first_argmax, soft_cross_entropy
 
 
 def shift(x: Tensor, n: int, fill=0) -> Tensor:
@@ -46,7 +46,7 @@ def target_labels(last_hidden: Tensor, lm_head_weight: Tensor, d2t: Tensor, chun
     probs, argmax = [], []
     for i in range(0, src.shape[0], chunk):
         logits = src[i: i + chunk] @ lm_head_weight.T
-        argmax.append(logits.argmax(-1))
+        argmax.append(first_argmax(logits))
         probs.append(torch.softmax(logits[:, d2t].float(), dim=-1))
     probs = torch.cat(probs) if probs else flat.new_zeros(0, len(d2t), dtype=torch.float32)
     argmax = torch.cat(argmax) if argmax else torch.zeros(0, dtype=torch.long, device=flat.device)

@@ -151,82 +151,96 @@ class FlashAttention(torch.autograd.Function):
     output and logsumexp, so its probabilities are the joint ones and it returns the prefix
     keys' share of the joint gradient; the diagonal share is added here. One autograd node
     for all blocks, so no block pays for zero-filled gradients of the whole tensors.
-    q [B, N, G, Tq, D] (scaled), k, v [B, N, Tp, D], dk, dv [B, N, S, Tq, D] or None;
-    blocks: (first row, end row, first key, end key, bias [B, 1, G * R, Tk], blind or None)
-    with blind [B, 1, G * R] the rows that see no prefix key. With steps in rows (`steps` > 0),
-    dk, dv are [B, N, Tq, D], as `_diag_scores` reads them."""
+    q [B, H, Tq, D] in any strides (the kernel does GQA itself: H = N * G query heads over
+    k, v [B, N, Tp, D], so a block's rows are a view and nothing is repeated per head);
+    dk, dv [B, N, S, Tq, D] or None, or with steps in rows (`steps` > 0) [B, N, Tq, D], as
+    `_diag_scores` reads them; blocks: (first row, end row, first key, end key, bias
+    [B, 1, R, Tk], blind [B, 1, R] (rows that see no prefix key) or None); scores are
+    scaled by `scale`. Returns [B, H, Tq, D] laid out as [B, Tq, H, D], the o_proj's input."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, dk: Tensor | None, dv: Tensor | None, blocks: list,
-                steps: int = 0) -> Tensor:
-        b, n, g, tq, d = q.shape
+                steps: int = 0, scale: float = 1.0) -> Tensor:
+        b, h, tq, d = q.shape
+        n = k.shape[1]
         whole = len(blocks) == 1
-        out = None if whole else q.new_empty(b, n, g, tq, d)
-        lse = None if whole else q.new_empty(b, n, g, tq)
+        out = None if whole else q.new_empty(b, tq, h, d).transpose(1, 2)
+        lse = None if whole else q.new_empty(b, h, tq)
         for r0, r1, k0, k1, bias, blind in blocks:
-            rows = r1 - r0
-            ob, lb = _flash(q[:, :, :, r0:r1].reshape(b, n, g * rows, d), k[:, :, k0:k1], v[:, :, k0:k1],
-                            attn_mask=bias, scale=1.0)
+            ob, lb = _flash(q[:, :, r0:r1], k[:, :, k0:k1], v[:, :, k0:k1], attn_mask=bias, scale=scale)
             if blind is not None and dk is not None:   # the kernel gives such a row lse 0 and output 0
                 lb = lb.masked_fill(blind, float("-inf"))
             if whole:
-                out, lse = ob.view(b, n, g, tq, d), lb.view(b, n, g, tq)
+                out, lse = ob, lb
             else:
-                out[:, :, :, r0:r1] = ob.view(b, n, g, rows, d)
-                lse[:, :, :, r0:r1] = lb.view(b, n, g, rows)
+                out[:, :, r0:r1] = ob
+                lse[:, :, r0:r1] = lb
         diag = None
-        if dk is not None and steps:
-            # rows (anchor, step): per anchor, one small product of its step rows and step keys
-            diag = hide_later_steps(_diag_scores(q, dk, steps), steps)           # [B, N, G, Tq, S]
-            out, lse = _merge_diagonal(out, lse, diag, -1, lambda p: _diag_mix(p, dv, steps))
-        elif dk is not None:
-            # a few keys per row, step-major: broadcast products over whole [G, Tq, D] slabs
-            diag = (q[:, :, None] * dk[:, :, :, None]).sum(-1)                   # [B, N, S, G, Tq]
-            out, lse = _merge_diagonal(out, lse, diag, 2, lambda p: (p[..., None] * dv[:, :, :, None]).sum(2))
-        ctx.blocks, ctx.steps = blocks, steps
+        if dk is not None:
+            qg, og, lg = q.unflatten(1, (n, -1)), out.unflatten(1, (n, -1)), lse.unflatten(1, (n, -1))
+            if steps:
+                # rows (anchor, step): per anchor, one small product of its step rows and step keys
+                diag = hide_later_steps(_diag_scores(qg, dk, steps).mul_(scale), steps)   # [B, N, G, Tq, S]
+                og, lg = _merge_diagonal(og, lg, diag, -1, lambda p: _diag_mix(p, dv, steps))
+            else:
+                # a few keys per row, step-major: broadcast products over whole [G, Tq, D] slabs
+                diag = (qg[:, :, None] * dk[:, :, :, None]).sum(-1).mul_(scale)           # [B, N, S, G, Tq]
+                og, lg = _merge_diagonal(og, lg, diag, 2, lambda p: (p[..., None] * dv[:, :, :, None]).sum(2))
+            out = og.permute(0, 3, 1, 2, 4).reshape(b, tq, h, d).transpose(1, 2)   # the o_proj's layout
+            lse = lg.flatten(1, 2)
+        ctx.blocks, ctx.steps, ctx.scale = blocks, steps, scale
         ctx.save_for_backward(q, k, v, dk, dv, out, lse, diag)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         q, k, v, dk, dv, out, lse, diag = ctx.saved_tensors
-        b, n, g, tq, d = q.shape
+        b, h, tq, d = q.shape
+        n = k.shape[1]
         need_q, need_k, need_v, need_dk, need_dv, *_ = ctx.needs_input_grad
-        go = grad_out.contiguous()
+        go, scale = grad_out, ctx.scale
         whole = len(ctx.blocks) == 1
-        grad_q = None if whole else go.new_empty(b, n, g, tq, d)
-        grad_k = torch.zeros_like(k) if need_k else None
-        grad_v = torch.zeros_like(v) if need_v else None
+        grad_q = None if whole else go.new_empty(b, tq, h, d).transpose(1, 2)
+        every_key = whole and ctx.blocks[0][2] == 0 and ctx.blocks[0][3] == k.shape[2]
+        grad_k = torch.zeros_like(k) if need_k and not every_key else None
+        grad_v = torch.zeros_like(v) if need_v and not every_key else None
         for r0, r1, k0, k1, bias, _ in ctx.blocks:
-            rows = r1 - r0
-            as_rows = lambda x: x[:, :, :, r0:r1].reshape(b, n, g * rows, *x.shape[4:])
-            gq, gk, gv = _flash_backward(as_rows(go), as_rows(q), k[:, :, k0:k1], v[:, :, k0:k1], as_rows(out),
-                                         as_rows(lse), 0.0, False, attn_mask=bias, scale=1.0)
+            gq, gk, gv = _flash_backward(go[:, :, r0:r1], q[:, :, r0:r1], k[:, :, k0:k1], v[:, :, k0:k1],
+                                         out[:, :, r0:r1], lse[:, :, r0:r1], 0.0, False, attn_mask=bias, scale=scale)
             if whole:
-                grad_q = gq.view(b, n, g, tq, d)
+                grad_q = gq
             else:
-                grad_q[:, :, :, r0:r1] = gq.view(b, n, g, rows, d)
+                grad_q[:, :, r0:r1] = gq
+            if every_key:
+                grad_k, grad_v = (gk if need_k else None), (gv if need_v else None)
+                continue
             if grad_k is not None:
                 grad_k[:, :, k0:k1] += gk
             if grad_v is not None:
                 grad_v[:, :, k0:k1] += gv
         grad_dk = grad_dv = None
-        if diag is not None and ctx.steps:
-            row_dot = (go * out).sum(-1, keepdim=True)                             # [B, N, G, Tq, 1]
-            d_diag = _diag_scores(go, dv, ctx.steps).sub_(row_dot).mul_(diag)      # [B, N, G, Tq, S]
-            grad_q = grad_q.add_(_diag_mix(d_diag, dk, ctx.steps))
-            grad_dk = _diag_key_grad(d_diag, q, ctx.steps) if need_dk else None
-            grad_dv = _diag_key_grad(diag, go, ctx.steps) if need_dv else None
-        elif diag is not None:
-            go6 = go[:, :, None]                                                   # [B, N, 1, G, Tq, D]
-            row_dot = (go * out).sum(-1)                                           # [B, N, G, Tq]
-            d_diag = (go6 * dv[:, :, :, None]).sum(-1).sub_(row_dot[:, :, None]).mul_(diag)[..., None]   # [B, N, S, G, Tq, 1]
-            grad_q = grad_q.add_((d_diag * dk[:, :, :, None]).sum(2))
-            grad_dk = (d_diag * q[:, :, None]).sum(3) if need_dk else None
-            grad_dv = (diag[..., None] * go6).sum(3) if need_dv else None
-        return grad_q if need_q else None, grad_k, grad_v, grad_dk, grad_dv, None, None
+        if diag is not None:
+            split = lambda x: x.unflatten(1, (n, -1))                              # [B, N, G, Tq, ...]
+            gog, og, qg = split(go), split(out), split(q)
+            gqg = split(grad_q)
+            if ctx.steps:
+                row_dot = (gog * og).sum(-1, keepdim=True)                             # [B, N, G, Tq, 1]
+                d_diag = _diag_scores(gog, dv, ctx.steps).sub_(row_dot).mul_(diag)      # [B, N, G, Tq, S]
+                grad_dv = _diag_key_grad(diag, gog, ctx.steps) if need_dv else None
+                d_diag.mul_(scale)
+                gqg.add_(_diag_mix(d_diag, dk, ctx.steps))
+                grad_dk = _diag_key_grad(d_diag, qg, ctx.steps) if need_dk else None
+            else:
+                go6 = gog[:, :, None]                                                  # [B, N, 1, G, Tq, D]
+                row_dot = (gog * og).sum(-1)                                           # [B, N, G, Tq]
+                d_diag = (go6 * dv[:, :, :, None]).sum(-1).sub_(row_dot[:, :, None]).mul_(diag)   # [B, N, S, G, Tq]
+                grad_dv = (diag[..., None] * go6).sum(3) if need_dv else None
+                d_diag = d_diag.mul_(scale)[..., None]
+                gqg.add_((d_diag * dk[:, :, :, None]).sum(2))
+                grad_dk = (d_diag * qg[:, :, None]).sum(3) if need_dk else None
+        return grad_q if need_q else None, grad_k, grad_v, grad_dk, grad_dv, None, None, None
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, dk: Tensor | None, dv: Tensor | None, blocks: list,
-                    steps: int = 0) -> Tensor:
-    return FlashAttention.apply(q, k, v, dk, dv, blocks, steps)
+                    steps: int = 0, scale: float = 1.0) -> Tensor:
+    return FlashAttention.apply(q, k, v, dk, dv, blocks, steps, scale)

@@ -42,29 +42,46 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return RMSNormFunction.apply(x, weight, eps)
 
 
+def first_argmax(x: Tensor, chunk: int = 64) -> Tensor:
+    """x.argmax(-1) (the first maximum) for 2-D x, by way of per-chunk maxima: PyTorch's CPU
+    argmax over a long last dim runs several times slower than a plain max reduction."""
+    r, n = x.shape
+    if n % chunk or n <= chunk or not x.is_contiguous():
+        return x.argmax(-1)
+    blocks = x.view(r, n // chunk, chunk)
+    first = blocks.amax(-1).argmax(-1)                                   # the first chunk holding the max
+    inner = blocks.gather(1, first.view(r, 1, 1).expand(r, 1, chunk)).view(r, chunk).argmax(-1)
+    return first * chunk + inner
+
+
 class SoftCrossEntropy(torch.autograd.Function):
     """Per row -sum_v p_v log softmax(z)_v = logsumexp(z) - <p, z> for labels p that sum to 1,
-    in fp32 at least, and the argmax of z from the same max pass (for accuracy); the backward
-    is softmax(z) - p without a log-softmax tensor in between."""
+    in fp32 at least, and the argmax of z (for accuracy). The fused softmax kernel gives both
+    the logsumexp (at the argmax, s = exp(z - lse)) and the backward, softmax(z) - p, so the
+    [rows, vocab] tensor is exponentiated once and passed over a few times in all."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
         z = at_least_fp32(logits)
-        top, argmax = z.max(dim=-1, keepdim=True)
-        lse = torch.sub(z, top).exp_().sum(-1, keepdim=True).log_().add_(top)
-        ce = lse.squeeze(-1) - (probs * z).sum(-1)
-        ctx.save_for_backward(z, probs, lse)
+        flat = z.reshape(-1, z.shape[-1])
+        softmax = torch.softmax(flat, dim=-1)
+        argmax = first_argmax(flat)
+        at_top = argmax[:, None]
+        lse = flat.gather(1, at_top).sub_(softmax.gather(1, at_top).log_()).view(z.shape[:-1])
+        ce = lse - torch.linalg.vecdot(probs, z)
+        ctx.save_for_backward(softmax, probs)
         ctx.logits_dtype = logits.dtype
         ctx.mark_non_differentiable(argmax)
-        return ce, argmax.squeeze(-1)
+        return ce, argmax.view(z.shape[:-1])
 
     @staticmethod
     def backward(ctx, grad_ce: Tensor, _grad_argmax):
-        z, probs, lse = ctx.saved_tensors
-        grad = torch.sub(z, lse).exp_().sub_(probs).mul_(grad_ce[..., None])
+        softmax, probs = ctx.saved_tensors
+        grad = torch.sub(softmax.view(probs.shape), probs).mul_(grad_ce[..., None])
         return grad.to(ctx.logits_dtype), None
 
 
 def soft_cross_entropy(logits: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
     """(cross-entropy per row, argmax per row)."""
     return SoftCrossEntropy.apply(logits, probs)
+

@@ -159,14 +159,13 @@ class Attention(nn.Module):
         skip the prefix keys they cannot see (a causal batch's upper triangle; other
         sequences' keys when packed)."""
         b, h, tq, d = q.shape
-        group = h // self.n_kv
-        qg = (q * (1.0 / math.sqrt(d))).view(b, self.n_kv, group, tq, d)
         if isinstance(diag, list):
             diag = stacked(diag)
         dk, dv, steps = (None, None, 0) if diag is None else (diag.k, diag.v, diag.steps)
         if FLASH_ON_CPU and q.device.type == "cpu" and q.dtype == torch.float32:
-            out = flash_attention(qg, prefix.k, prefix.v, dk, dv, mask.flash_blocks(group), steps)
-            return self.o_proj(out.reshape(b, h, tq, d).transpose(1, 2).reshape(b, tq, h * d))
+            out = flash_attention(q, prefix.k, prefix.v, dk, dv, mask.flash_blocks(), steps, 1.0 / math.sqrt(d))
+            return self.o_proj(out.transpose(1, 2).reshape(b, tq, h * d))   # a view: the kernel writes [B, Tq, H, D]
+        qg = (q * (1.0 / math.sqrt(d))).view(b, self.n_kv, h // self.n_kv, tq, d)
         bias = mask.bias
         outs = []
         rows = (slice(None),) * (2 if steps else 3)   # the diagonal keys' row dim
@@ -186,7 +185,7 @@ class PrefixMask:
 
     bias: Tensor                               # [B, 1, 1, Tq, Tp]: 0 where visible, -inf elsewhere
     blocks: list[tuple[int, int, int, int]]    # (first row, end row, first key, end key)
-    _flash: dict = field(default_factory=dict, repr=False)
+    _flash: list | None = field(default=None, repr=False)
 
     def spread(self, steps: int) -> "PrefixMask":
         """Each row as `steps` consecutive rows that see the same keys."""
@@ -195,18 +194,16 @@ class PrefixMask:
         return PrefixMask(self.bias.repeat_interleave(steps, dim=3),
                           [(r0 * steps, r1 * steps, k0, k1) for r0, r1, k0, k1 in self.blocks])
 
-    def flash_blocks(self, group: int) -> list:
-        """The blocks with their bias for the fused kernel, whose rows are (head in group, row):
-        (r0, r1, k0, k1, bias [B, 1, G * R, Tk], rows that see no key or None); built once."""
-        if group not in self._flash:
-            blocks = []
+    def flash_blocks(self) -> list:
+        """The blocks with their bias for the fused kernel, broadcast over heads: (r0, r1, k0,
+        k1, bias [B, 1, R, Tk], rows that see no key [B, 1, R] or None); built once."""
+        if self._flash is None:
+            self._flash = []
             for r0, r1, k0, k1 in self.blocks:
-                bias = self.bias[:, 0, 0, r0:r1, k0:k1]
-                rows = bias[:, None].expand(-1, group, -1, -1).reshape(bias.shape[0], 1, group * (r1 - r0), k1 - k0)
-                blind = torch.isinf(rows).all(-1)
-                blocks.append((r0, r1, k0, k1, rows, blind if bool(blind.any()) else None))
-            self._flash[group] = blocks
-        return self._flash[group]
+                bias = self.bias[:, 0, :, r0:r1, k0:k1].contiguous()
+                blind = torch.isinf(bias).all(-1)
+                self._flash.append((r0, r1, k0, k1, bias, blind if bool(blind.any()) else None))
+        return self._flash
 
 
 # query rows per attention block (None: one block per packed sequence). A sequence's rows up to
