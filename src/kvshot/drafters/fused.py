@@ -84,4 +84,3 @@ class SoftCrossEntropy(torch.autograd.Function):
 def soft_cross_entropy(logits: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
     """(cross-entropy per row, argmax per row)."""
     return SoftCrossEntropy.apply(logits, probs)
-
