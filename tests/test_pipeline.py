@@ -21,8 +21,8 @@ def workdir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def snakemake(cwd: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(["snakemake", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+def snakemake(cwd: Path, *args: str, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["snakemake", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def dry_run_jobs(cwd: Path, *configfiles: str) -> dict[str, int]:

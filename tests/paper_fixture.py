@@ -1,0 +1,150 @@
+"""A Hugging Face hub cache as the paper run would find it on an offline cluster node, in
+miniature: a random-weight Qwen3 saved with `save_pretrained` under `Qwen/Qwen3-8B`, a
+byte-level BPE carrying Qwen3's special tokens and a chat template with Qwen3's thinking
+switch, and the three hub datasets in their own schemas and file layouts, filled with real
+ShareGPT text from the packaged file.
+
+`build_hub_cache(root)` lays it out as `huggingface_hub` does (`models--Owner--Name/snapshots/
+<commit>/...`, `refs/main`), so the pipeline's real loaders resolve it with HF_HUB_OFFLINE=1.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"   # the snapshot every fake repo holds
+
+# Qwen3's special tokens the pipeline relies on; the real tokenizer has ~150k more tokens.
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+# Written for this fixture after the behaviour of Qwen3's template: ChatML turns; the answer
+# after the last user turn opens with a (here empty) think block, earlier answers carry none;
+# a generation prompt with enable_thinking=false pre-fills the empty think block.
+QWEN3_LIKE_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+ULTRACHAT_README = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train_sft
+    path: data/train_sft-*
+  - split: test_sft
+    path: data/test_sft-*
+---
+"""
+
+MTBENCH_README = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/train-*
+---
+"""
+
+
+def _snapshot(cache: Path, kind: str, repo: str) -> Path:
+    """models--Owner--Name / datasets--Owner--Name with refs/main -> COMMIT; returns the snapshot."""
+    top = cache / f"{kind}--{repo.replace('/', '--')}"
+    (top / "refs").mkdir(parents=True, exist_ok=True)
+    (top / "refs" / "main").write_text(COMMIT)
+    snap = top / "snapshots" / COMMIT
+    snap.mkdir(parents=True, exist_ok=True)
+    return snap
+
+
+def real_conversations(n: int, max_chars: int = 400) -> list[list[dict]]:
+    """The first n multi-role conversations of the packaged ShareGPT file, turns cut short."""
+    from kvshot.data import LoadStats, iter_sharegpt_file, sharegpt_package_path
+
+    convs = []
+    for messages in iter_sharegpt_file(sharegpt_package_path(), LoadStats("fixture"), max_records=4 * n):
+        convs.append([{**m, "content": m["content"][:max_chars]} for m in messages[:4]])
+        if len(convs) == n:
+            break
+    return convs
+
+
+def _tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=SPECIALS[1:])
+    fast.chat_template = QWEN3_LIKE_TEMPLATE
+    return fast
+
+
+def build_hub_cache(root: Path, conversations: int = 160, vocab_size: int = 512) -> Path:
+    """Write the fake hub cache under root/hub; returns its path (set HF_HUB_CACHE to it)."""
+    import datasets
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cache = root / "hub"
+    convs = real_conversations(conversations)
+    half = len(convs) // 2
+    texts = ["".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in c) for c in convs]
+
+    snap = _snapshot(cache, "models", "Qwen/Qwen3-8B")
+    tokenizer = _tokenizer(texts, vocab_size)
+    tokenizer.save_pretrained(snap)
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         rope_theta=1_000_000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
+                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(snap)
+
+    # Aeala/ShareGPT_Vicuna_unfiltered: one JSON array of {id, conversations: [{from, value}]}
+    role = {"user": "human", "assistant": "gpt", "system": "system"}
+    sharegpt = [{"id": f"sg{i}", "conversations": [{"from": role[m["role"]], "value": m["content"]} for m in c]}
+                for i, c in enumerate(convs[:half])]
+    snap = _snapshot(cache, "datasets", "Aeala/ShareGPT_Vicuna_unfiltered")
+    (snap / "ShareGPT_V4.3_unfiltered_cleaned_split.json").write_text(json.dumps(sharegpt))
+
+    # HuggingFaceH4/ultrachat_200k: parquet shards per split, {prompt, prompt_id, messages}
+    snap = _snapshot(cache, "datasets", "HuggingFaceH4/ultrachat_200k")
+    (snap / "README.md").write_text(ULTRACHAT_README)
+    (snap / "data").mkdir(exist_ok=True)
+    rows = [{"prompt": c[0]["content"], "prompt_id": f"uc{i}", "messages": c} for i, c in enumerate(convs[half:])]
+    datasets.Dataset.from_list(rows).to_parquet(str(snap / "data/train_sft-00000-of-00001.parquet"))
+    datasets.Dataset.from_list(rows[:4]).to_parquet(str(snap / "data/test_sft-00000-of-00001.parquet"))
+
+    # HuggingFaceH4/mt_bench_prompts: {prompt: [turn 1, turn 2], category, prompt_id, reference}
+    snap = _snapshot(cache, "datasets", "HuggingFaceH4/mt_bench_prompts")
+    (snap / "README.md").write_text(MTBENCH_README)
+    (snap / "data").mkdir(exist_ok=True)
+    prompts = [{"prompt": [c[0]["content"][:200], "Explain your answer."], "category": "writing",
+                "prompt_id": 81 + i, "reference": []} for i, c in enumerate(convs[:16])]
+    datasets.Dataset.from_list(prompts).to_parquet(str(snap / "data/train-00000-of-00001.parquet"))
+    return cache
+
+
+def offline_env(cache: Path, home: Path) -> dict[str, str]:
+    """The environment of an offline cluster node whose shared HF_HOME holds the cache."""
+    return {"HF_HOME": str(home), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(home / "datasets"),
+            "TRANSFORMERS_OFFLINE": "1"}
