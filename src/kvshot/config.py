@@ -94,6 +94,13 @@ def validate_config(cfg: Any, sources: str | list[str], sections: tuple[str, ...
         raise ConfigError(f"{blame(sources, path)}: {_field_path(err)}: {_short_message(err)}")
     _check_semantics(cfg, source)  # mode-dependent checks name all files
 
+    def fail(path: list[str], problem: str) -> None:
+        raise ConfigError(f"{blame(sources, path)}: {'.'.join(path)}: {problem}")
+
+    from .checks import check_consistency
+
+    check_consistency(cfg, fail)
+
 
 def _check_semantics(cfg: dict, source: str) -> None:
     """What the schema cannot say: fields required only in some modes."""
@@ -176,6 +183,23 @@ class Runtime:
         import torch
 
         return getattr(torch, self.dtype)
+
+    def autocast(self):
+        """The drafters' compute precision (`drafter_autocast`) for this runtime."""
+        return drafter_autocast(self.device, self.dtype)
+
+
+def drafter_autocast(device: str, dtype: str):
+    """Drafters keep fp32 parameters (and so fp32 optimizer state); a bfloat16 runtime runs
+    their forward under bf16 autocast. float32 runs plain fp32, and so does float16: fp16
+    autocast would need loss scaling, which the trainer does not do."""
+    import contextlib
+
+    import torch
+
+    if dtype != "bfloat16":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
 
 
 def retain_freed_memory() -> bool:

@@ -1,0 +1,131 @@
+"""What the schema cannot say: values valid alone but impossible together, or for the target.
+
+Run when Snakemake starts (before any job) and when a stage starts by hand, so an impossible
+config fails in one line naming the file and the field instead of after the stages above it
+have rerun. The target's shape comes from `target.arch` (a pretrained-here target) or from the
+pretrained model's `config.json` (a local folder, or the HF cache when it holds one); where
+neither is at hand the shape-dependent checks wait for the stage that loads the target.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int | None   # None: known only once the tokenizer is trained
+
+
+def _pretrained_config(name: str, revision: str | None) -> dict | None:
+    local = Path(name) / "config.json"
+    if local.is_file():
+        return json.loads(local.read_text())
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    except Exception:   # not a repo id, no cache: the target stage will say what is wrong
+        return None
+    return json.loads(Path(cached).read_text()) if isinstance(cached, str) else None
+
+
+def target_shape(cfg: dict) -> TargetShape | None:
+    tgt = cfg.get("target")
+    if tgt is None:
+        return None
+    if tgt["source"] == "pretrain":
+        arch = tgt.get("arch", {})
+        tok = cfg.get("tokenizer") or {}
+        vocab = tok.get("vocab_size") if tok.get("source") == "train" else None
+        return TargetShape(arch["num_hidden_layers"], arch["num_attention_heads"], arch["num_key_value_heads"], vocab)
+    try:
+        c = _pretrained_config(tgt["name"], tgt.get("revision"))
+    except (OSError, ValueError):
+        return None
+    if not c or "num_hidden_layers" not in c:
+        return None
+    return TargetShape(c["num_hidden_layers"], c["num_attention_heads"],
+                       c.get("num_key_value_heads", c["num_attention_heads"]), c.get("vocab_size"))
+
+
+def check_consistency(cfg: dict, fail: Callable[[list[str], str], None]) -> None:
+    """Call fail(path, problem) for the first impossible combination found."""
+    drafters, data, ev, scaling = cfg.get("drafters"), cfg.get("data"), cfg.get("eval"), cfg.get("scaling")
+    if drafters is not None:
+        seen: dict[str, int] = {}
+        for i, v in enumerate(drafters["variants"]):
+            if v["name"] in seen:
+                fail(["drafters", "variants", str(i), "name"],
+                     f"{v['name']!r} is defined twice (also drafters.variants.{seen[v['name']]}); names must be unique")
+            seen[v["name"]] = i
+        tc = drafters["train"]
+        if drafters["ttt_steps"] + 2 > tc["max_len"]:
+            fail(["drafters", "ttt_steps"], f"{drafters['ttt_steps']} steps need sequences of at least "
+                 f"{drafters['ttt_steps'] + 2} tokens (drafters.train.max_len is {tc['max_len']})")
+        samples = tc.get("train_samples") or (data or {}).get("train_samples")
+        if samples is not None and tc["batch_size"] > samples:
+            fail(["drafters", "train", "batch_size"],
+                 f"{tc['batch_size']} is larger than the {samples} training samples (an epoch would hold no batch)")
+        if scaling is not None:
+            for i, n in enumerate(scaling["train_samples"]):
+                if n < tc["batch_size"]:
+                    fail(["scaling", "train_samples", str(i)], f"{n} samples hold no batch of {tc['batch_size']}")
+                if data is not None and n > data["train_samples"]:
+                    fail(["scaling", "train_samples", str(i)],
+                         f"{n} is more than the {data['train_samples']} samples data.train_samples prepares")
+    if ev is not None and data is not None and not ev.get("prompt_sources") and ev["prompts"] > data["eval_samples"]:
+        fail(["eval", "prompts"], f"{ev['prompts']} prompts from {data['eval_samples']} eval samples "
+             f"(raise data.eval_samples or lower eval.prompts)")
+    if ev is not None and ev["e2e"]["prompts"] > ev["prompts"]:
+        fail(["eval", "e2e", "prompts"], f"{ev['e2e']['prompts']} is more than eval.prompts ({ev['prompts']})")
+    shape = target_shape(cfg)
+    if shape is not None:
+        _check_target_fit(cfg, shape, fail)
+
+
+def _check_target_fit(cfg: dict, shape: TargetShape, fail: Callable[[list[str], str], None]) -> None:
+    tgt, feats, drafters = cfg["target"], cfg.get("features"), cfg.get("drafters")
+    L = shape.layers
+    if tgt["source"] == "pretrain" and shape.heads % shape.kv_heads:
+        fail(["target", "arch", "num_key_value_heads"],
+             f"{shape.kv_heads} KV heads do not divide the {shape.heads} attention heads")
+    kv_held = set(range(L))
+    if feats is not None:
+        aux = feats.get("aux_layers")
+        if aux is not None:
+            if any(not 0 < a <= L for a in aux):
+                fail(["features", "aux_layers"], f"{list(aux)} outside 1..{L} for a {L}-layer target")
+            if len(set(aux)) != len(aux):
+                fail(["features", "aux_layers"], f"{list(aux)} repeats a layer")
+        elif len({2, L // 2, L - 3}) != 3 or L < 4:
+            fail(["features", "aux_layers"], f"the EAGLE-3 default (2, {L // 2}, {L - 3}) is not three distinct "
+                 f"layers of a {L}-layer target: set them")
+        if feats["kv_layers"] != "all":
+            bad = [k for k in feats["kv_layers"] if k >= L]
+            if bad:
+                fail(["features", "kv_layers"], f"{bad} beyond the target's {L} layers (0..{L - 1})")
+            kv_held = set(feats["kv_layers"])
+    if drafters is None:
+        return
+    if shape.vocab is not None and drafters["draft_vocab_size"] > shape.vocab:
+        fail(["drafters", "draft_vocab_size"], f"{drafters['draft_vocab_size']} is larger than the target's "
+             f"vocabulary ({shape.vocab})")
+    for i, v in enumerate(drafters["variants"]):
+        if v["paradigm"] not in ("kv", "hybrid"):
+            continue
+        if v["layers"] > L:
+            fail(["drafters", "variants", str(i), "layers"], f"{v['layers']} KV layers for a {L}-layer target")
+        own = v.get("kv_layers")
+        layers = list(own) if own is not None else list(range(L - v["layers"], L))
+        field = ["drafters", "variants", str(i), "kv_layers"] if own is not None else ["features", "kv_layers"]
+        if own is not None and len(own) != v["layers"]:
+            fail(field, f"{len(own)} target layers for a {v['layers']}-layer drafter")
+        missing = sorted(set(layers) - kv_held)
+        if missing:
+            fail(field, f"variant {v['name']} reads target layers {missing}, which the features do not hold")

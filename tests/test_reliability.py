@@ -1,0 +1,92 @@
+"""Impossible configurations are rejected before any job runs, in one line naming the file
+and the field (issue 18's list, case by case)."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import yaml
+
+from kvshot.config import ConfigError, validate_config
+
+from .conftest import tiny_config
+from .test_pipeline import snakemake, workdir
+
+
+def _variant(cfg: dict, name: str) -> dict:
+    return next(v for v in cfg["drafters"]["variants"] if v["name"] == name)
+
+
+def _set(cfg: dict, path: str, value) -> None:
+    *head, last = path.split(".")
+    node = cfg
+    for key in head:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    node[last] = value
+
+
+# (case, edit of the tiny config, field named, words of the problem); the tiny target has 4 layers,
+# 2 heads, 1 KV head, a 320-token vocabulary; 48 train / 8 eval samples; train max_len 64.
+CASES = [
+    ("kv_layers beyond depth", lambda c: _set(c, "features.kv_layers", [0, 4]), "features.kv_layers", "beyond"),
+    ("aux_layers out of range", lambda c: _set(c, "features.aux_layers", [1, 2, 9]), "features.aux_layers", "outside"),
+    ("aux_layers duplicated", lambda c: _set(c, "features.aux_layers", [1, 2, 2]), "features.aux_layers", "repeats"),
+    ("variant kv_layers not captured",
+     lambda c: (_set(c, "features.kv_layers", [3]), _variant(c, "kv-d1").update(kv_layers=[2])),
+     "drafters.variants.1.kv_layers", "do not hold"),
+    ("default kv layers not captured", lambda c: _set(c, "features.kv_layers", [0]), "features.kv_layers",
+     "do not hold"),
+    ("draft vocab above vocabulary", lambda c: _set(c, "drafters.draft_vocab_size", 5000),
+     "drafters.draft_vocab_size", "larger than the target's vocabulary"),
+    ("eval prompts above eval samples", lambda c: _set(c, "eval.prompts", 9), "eval.prompts", "eval samples"),
+    ("heads not divisible", lambda c: _set(c, "target.arch.num_key_value_heads", 3),
+     "target.arch.num_key_value_heads", "do not divide"),
+    ("ttt_steps longer than sequences", lambda c: _set(c, "drafters.ttt_steps", 63), "drafters.ttt_steps",
+     "at least"),
+    ("duplicate variant names", lambda c: c["drafters"]["variants"].append(
+        {"name": "eagle3", "paradigm": "kv", "layers": 2}), "drafters.variants.6.name", "defined twice"),
+    ("batch above train samples", lambda c: _set(c, "drafters.train.batch_size", 49),
+     "drafters.train.batch_size", "training samples"),
+    ("scaling point below a batch", lambda c: _set(c, "scaling.train_samples", [1, 16]), "scaling.train_samples.0",
+     "no batch"),
+    ("scaling point above the data", lambda c: _set(c, "scaling.train_samples", [8, 100]),
+     "scaling.train_samples.1", "more than"),
+    ("deep KV drafter on a shallow target", lambda c: _variant(c, "kv-d4").update(layers=5),
+     "drafters.variants.3.layers", "4-layer target"),
+]
+
+
+@pytest.mark.parametrize("case,edit,field,words", CASES, ids=[c[0] for c in CASES])
+def test_impossible_config_is_one_line(case, edit, field, words):
+    cfg = copy.deepcopy(tiny_config())
+    validate_config(cfg, ["my.yaml"])   # the untouched config passes
+    edit(cfg)
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg, ["my.yaml"])
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"my.yaml: {field}: ") and words in msg, msg
+
+
+def test_pretrained_target_shape_read_from_its_config(tmp_path):
+    """A local pretrained target: depth and vocabulary come from its config.json."""
+    cfg = copy.deepcopy(tiny_config())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 300}))
+    cfg["target"] = {"source": "pretrained", "name": str(tmp_path), "attn_implementation": "sdpa"}
+    cfg["features"]["aux_layers"] = [1, 2, 3]
+    with pytest.raises(ConfigError, match=r"features.aux_layers: \[1, 2, 3\] outside 1..2 for a 2-layer target"):
+        validate_config(cfg, ["my.yaml"])
+
+
+@pytest.mark.slow
+def test_snakemake_rejects_before_any_job(tmp_path):
+    """The dry run fails at startup, naming the overlay file that set the bad value."""
+    wd = workdir(tmp_path)
+    overlay = tmp_path / "bad.yaml"
+    overlay.write_text(yaml.safe_dump({"drafters": {"draft_vocab_size": 100000}}))
+    proc = snakemake(wd, "-n", "--cores", "1", "--configfile", "config/smoke.yaml", str(overlay))
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert f"{overlay}: drafters.draft_vocab_size: 100000 is larger than the target's vocabulary" in out, out[-1500:]
+    assert not (wd / "results").exists()
