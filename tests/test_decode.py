@@ -437,3 +437,102 @@ def test_batch_size_one_only(world):
     x = torch.tensor([world["prompts"][0]] * 2)
     with pytest.raises(ValueError, match="batch size 1"):
         speculative_generate(world["target"], world["drafters"]["kv-1"], x, 4, world["eos"], world["aux"])
+
+
+# ---------------------------------------------------------------- a target whose attention takes no 4D mask
+
+def causal_only_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Test stand-in for flash-attn: causal attention aligned to the end of the cache, and
+    an error for a 4D mask, which flash-attn cannot apply (it would drop a tree's branches)."""
+    if attention_mask is not None and attention_mask.dim() == 4:
+        raise RuntimeError("causal-only attention got a 4D mask")
+    q_len, kv_len = query.shape[2], key.shape[2]
+    visible = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    groups = query.shape[1] // key.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=visible, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@pytest.fixture
+def causal_only_target(world):
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("causal_only_test", causal_only_attention)
+    target = world["target"]
+    loaded = target.config._attn_implementation
+    target.config._attn_implementation = "causal_only_test"   # as a flash-attn load sets it
+    try:
+        yield target
+    finally:
+        target.config._attn_implementation = loaded
+
+
+def test_tree_verification_with_a_causal_only_attention(world, causal_only_target):
+    x = torch.tensor([world["prompts"][1]])
+    with pytest.raises(RuntimeError, match="4D mask"):   # the stand-in really rejects tree masks
+        causal_only_target(input_ids=x, attention_mask=torch.zeros(1, 1, x.shape[1], x.shape[1]))
+    plain = plain_generate(causal_only_target, x, MAX_NEW, world["eos"])
+    assert plain.tokens == reference(world, 1, MAX_NEW)
+    for spec in (TREE, CHAIN):
+        res = speculative_generate(causal_only_target, world["drafters"]["kv-1"], x, MAX_NEW, world["eos"],
+                                   world["aux"], spec)
+        assert res.tokens == plain.tokens
+        assert res.verify_attention == ("sdpa" if spec is TREE else "")
+        assert causal_only_target.config._attn_implementation == "causal_only_test"   # restored
+    assert max(res.accepted) > 0 and max(full_run(world, "kv-1", 1, TREE).accepted) > 1
+
+
+def test_plain_generate_records_the_top_two_logits(world):
+    x = torch.tensor([world["prompts"][2]])
+    base = plain_generate(world["target"], x, 6, world["eos"])
+    assert len(base.top2) == len(base.tokens)
+    logits = world["target"](input_ids=torch.tensor([world["prompts"][2] + base.tokens[:1]])).logits[0, -2:]
+    for row, (first, second) in zip(logits, base.top2[:2]):
+        top = row.topk(2).values
+        assert first >= second and first == pytest.approx(float(top[0]), abs=1e-4)
+        assert second == pytest.approx(float(top[1]), abs=1e-4)
+
+
+# ---------------------------------------------------------------- e2e: divergences, near-ties, real errors
+
+def test_ulp_of_each_dtype():
+    from kvshot.e2e import ulp
+
+    assert ulp(1.0, torch.bfloat16) == 2 ** -7 and ulp(-3.0, torch.bfloat16) == 2 ** -6
+    assert ulp(20.0, torch.bfloat16) == 2 ** -3 and ulp(1.0, torch.float32) == 2 ** -23
+
+
+def test_e2e_classifies_an_induced_near_tie_and_a_real_error(world):
+    import copy
+
+    from kvshot.e2e import match_summary, ulp
+
+    target = copy.deepcopy(world["target"])
+    x = torch.tensor([world["prompts"][0]])
+    base = plain_generate(target, x, 12, None)
+    # the second-best token at some position gets the best one's output row: an exact tie there
+    j = next(i for i in range(2, 12) if base.tokens[i] not in base.tokens[:i])
+    top1 = base.tokens[j]
+    row = target(input_ids=torch.tensor([x[0].tolist() + base.tokens[:j]])).logits[0, -1]
+    top2 = int(row.topk(2).indices[1])
+    head = target.lm_head.weight.detach().clone()
+    head[top2] = head[top1]
+    target.lm_head.weight = torch.nn.Parameter(head)          # untied: the embeddings stay as they were
+    tied = plain_generate(target, x, 12, None)
+    assert tied.tokens[:j] == base.tokens[:j] and tied.top2[j][0] == tied.top2[j][1]
+    other = top2 if tied.tokens[j] == top1 else top1
+    near_tie = tied.tokens[:j] + [other] + tied.tokens[j + 1:]
+    wrong_at = next(i for i in range(j) if tied.top2[i][0] - tied.top2[i][1] > 4 * ulp(tied.top2[i][0], torch.bfloat16))
+    real_error = list(tied.tokens)
+    real_error[wrong_at] = (real_error[wrong_at] + 1) % target.config.vocab_size
+    spec = speculative_generate(target, world["drafters"]["kv-1"], x, 12, None, world["aux"], TREE)
+    s = match_summary([tied.tokens, spec.tokens, near_tie], [tied] * 3, torch.bfloat16)
+    assert s["lossless"] and s["near_ties"] == 1 and s["real_errors"] == 0
+    assert s["exact_match_rate"] == pytest.approx(2 / 3)
+    assert s["divergences"] == [{"prompt": 2, "position": j, "top2": list(tied.top2[j]), "gap": 0.0,
+                                 "tolerance": pytest.approx(4 * 2.0 ** (math.floor(math.log2(abs(tied.top2[j][0]))) - 7)),
+                                 "near_tie": True}]
+    s = match_summary([near_tie, real_error, tied.tokens[:wrong_at]], [tied] * 3, torch.bfloat16)
+    assert not s["lossless"] and s["near_ties"] == 1 and s["real_errors"] == 2 and s["exact_match_rate"] == 0
+    assert [d["position"] for d in s["divergences"]] == [j, wrong_at, wrong_at]

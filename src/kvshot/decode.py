@@ -10,6 +10,7 @@ last token x[n_past] (its bonus) is known but not yet in its cache:
           best nodes per depth, then the best `total_tokens` nodes overall);
   verify  one target forward over [x[n_past]] + draft nodes with a tree attention mask
           (cache + ancestors; a chain uses HF's own causal mask), positions n_past + depth;
+          a target loaded with flash-attn verifies trees with SDPA (`tree_mask_attention`);
           greedy (output identical to `target.generate(do_sample=False)`) or speculative
           sampling at a temperature, no top-k/top-p (chain only);
   keep    the target's cache keeps the accepted path (gathered into place, then cropped),
@@ -25,8 +26,9 @@ lengths, which would need per-row cache lengths and padding masks in every round
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -73,6 +75,9 @@ class DecodeResult:
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
+    verify_attention: str = ""             # the attention implementation tree rounds verified with
+    top2: list[tuple[float, float]] = field(default_factory=list)   # plain decoding: the target's two
+    #                                        largest logits for each token, to classify divergences
 
     @property
     def tau(self) -> float:
@@ -266,6 +271,28 @@ def verify_sampling(logits: Tensor, d: Draft, d2t: Tensor, temperature: float,
     return path, int(torch.multinomial(p[len(d.tokens)], 1, generator=generator))
 
 
+# Implementations that take kvshot's additive 4D tree mask. flash-attn (and other kernels
+# that only know causal/padding masks) would silently ignore a tree's branches.
+TREE_MASK_ATTENTION = ("sdpa", "eager")
+
+
+@contextmanager
+def tree_mask_attention(target) -> Iterator[str]:
+    """Run the target with an implementation that takes a 4D mask for the enclosed calls.
+    Every attention layer reads `config._attn_implementation` per call, and the KV cache
+    layout does not depend on it, so a flash-attn target verifies trees with SDPA and goes
+    back to flash-attn for the prefill and chain rounds."""
+    loaded = target.config._attn_implementation
+    if loaded in TREE_MASK_ATTENTION:
+        yield loaded
+        return
+    target.config._attn_implementation = "sdpa"
+    try:
+        yield "sdpa"
+    finally:
+        target.config._attn_implementation = loaded
+
+
 def _forward(target, ids: list[int], positions: Tensor, cache: DynamicCache, mask: Tensor | None,
              hidden: bool, device: torch.device, last_only: bool = False):
     """The decoder body (filling `cache`), then the LM head on the rows that are needed: a
@@ -301,8 +328,6 @@ def speculative_generate(target, drafter: Drafter, input_ids: Tensor, max_new_to
     spec = spec or DraftSpec()
     if temperature > 0 and not spec.chain:
         raise ValueError("speculative sampling is implemented for chains only (DraftSpec.topk == 1)")
-    if not spec.chain and "flash" in str(target.config._attn_implementation):
-        raise ValueError("tree verification needs a 4D attention mask: load the target with sdpa or eager")
     device = input_ids.device
     dtype = next(drafter.parameters()).dtype
     kv_layers = list(drafter.cfg.kv_layers)
@@ -330,9 +355,14 @@ def speculative_generate(target, drafter: Drafter, input_ids: Tensor, max_new_to
 
         positions = n_past + torch.tensor([0] + d.depths, device=device)
         chain = d.parents == list(range(-1, len(d.parents) - 1))
-        # a chain is plain causal attention: HF builds that mask itself (flash-attn works too)
-        mask = None if chain else tree_attention(d.parents, n_past, target.dtype, device)
-        logits, hidden = _forward(target, [seq[n_past]] + d.tokens, positions, cache, mask, bool(aux_layers), device)
+        if chain:   # plain causal attention: HF builds that mask itself (flash-attn works too)
+            logits, hidden = _forward(target, [seq[n_past]] + d.tokens, positions, cache, None, bool(aux_layers),
+                                      device)
+        else:
+            with tree_mask_attention(target) as res.verify_attention:
+                logits, hidden = _forward(target, [seq[n_past]] + d.tokens, positions, cache,
+                                          tree_attention(d.parents, n_past, target.dtype, device),
+                                          bool(aux_layers), device)
         if temperature > 0:
             path, bonus = verify_sampling(logits, d, drafter.d2t, temperature, generator)
         else:
@@ -355,7 +385,8 @@ def speculative_generate(target, drafter: Drafter, input_ids: Tensor, max_new_to
 @torch.inference_mode()   # no autograd bookkeeping at all: many small ops per round
 def plain_generate(target, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | None = None,
                    temperature: float = 0.0, generator: torch.Generator | None = None) -> DecodeResult:
-    """The baseline: the target alone, one token per forward, same cache and timing harness."""
+    """The baseline: the target alone, one token per forward, same cache and timing harness.
+    `top2` keeps the two largest logits behind each token (a near-tie test for divergences)."""
     if input_ids.shape[0] != 1 or max_new_tokens < 1:
         raise ValueError(f"plain_generate: batch size 1 and max_new_tokens >= 1, got "
                          f"{input_ids.shape[0]} and {max_new_tokens}")
@@ -367,11 +398,13 @@ def plain_generate(target, input_ids: Tensor, max_new_tokens: int, eos_token_id:
     logits, _ = _forward(target, input_ids[0].tolist(), torch.arange(n_past, device=device), cache, None, False, device,
                          last_only=True)
     _, stop = _append(res.tokens, [_pick(logits[-1], temperature, generator)], max_new_tokens, eos_token_id)
+    res.top2.append(tuple(logits[-1].float().topk(2).values.tolist()))
     res.prefill_s = _clock(device) - start
     while stop is None:
         logits, _ = _forward(target, res.tokens[-1:], torch.tensor([n_past], device=device), cache, None, False, device)
         n_past += 1
         added, stop = _append(res.tokens, [_pick(logits[-1], temperature, generator)], max_new_tokens, eos_token_id)
+        res.top2.append(tuple(logits[-1].float().topk(2).values.tolist()))
         res.rounds += 1
         res.accepted.append(0)
         res.emitted.append(added)
