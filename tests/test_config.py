@@ -100,7 +100,7 @@ def test_cli_error_is_one_line_and_exit_2(tmp_path):
 
 
 def test_inline_json_config():
-    cfg = read_config([DEFAULT, json.dumps({"data": {"train_samples": 7}})])
-    assert cfg["data"]["train_samples"] == 7
+    cfg = read_config([DEFAULT, json.dumps({"data": {"train_samples": 1000}})])
+    assert cfg["data"]["train_samples"] == 1000
     with pytest.raises(ConfigError, match=r"^<inline config>: data.train_samples"):
         read_config([DEFAULT, json.dumps({"data": {"train_samples": "7"}})])
