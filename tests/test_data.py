@@ -362,6 +362,87 @@ def test_chat_template_in_tokenizer(tiny_tokenizer):
         assert text == render_chat(conv, add_generation_prompt=True)
 
 
+# A template in the manner of Qwen3's (written for this test): with enable_thinking false the
+# generation prompt ends with an empty think block, and so does the answer after the last user turn.
+QWEN_LIKE_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- set no_think = enable_thinking is defined and enable_thinking is false %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if no_think and loop.index0 > ns.last_user %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{{- m.content + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if no_think %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"
+)
+
+
+@pytest.fixture
+def qwen_like_tokenizer(tiny_tokenizer, tmp_path):
+    import copy
+
+    from transformers import AutoTokenizer
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = QWEN_LIKE_TEMPLATE
+    tok.save_pretrained(tmp_path / "tok")            # as the tokenizer stage hands it on
+    return AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+
+
+def template_ids(tok, conv, **kw) -> list[int]:
+    text = tok.apply_chat_template(conv, tokenize=False, enable_thinking=False, **kw)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_own_chat_template_renders_training_text_and_prompts(qwen_like_tokenizer):
+    from kvshot.data import encode_prompt
+
+    tok = qwen_like_tokenizer
+    think = "<think>\n\n</think>\n\n"
+    convs = CONVS + [[{"role": "user", "content": "user"}, {"role": "assistant", "content": "user"},
+                      {"role": "user", "content": "assistant"}, {"role": "assistant", "content": "\nassistant"}]]
+    for conv in convs:
+        ids, mask = tokenize_conversation(tok, conv, max_len=10_000)
+        assert ids == template_ids(tok, conv) and len(mask) == len(ids)
+        text = tok.decode(ids)
+        assert text.count(think) == 1 and text.endswith(think + conv[-1]["content"] + IM_END + "\n")
+        masked = [i for i, m in zip(ids, mask) if m]
+        assert tok.decode(masked) == "".join(m["content"] + IM_END for m in conv if m["role"] == "assistant")
+        # each trained span starts right after an assistant header and stops after its <|im_end|>
+        starts = [k for k in range(len(mask)) if mask[k] and not mask[k - 1]]
+        assert len(starts) == sum(m["role"] == "assistant" for m in conv)
+        assert all(tok.decode(ids[:k]).endswith(("<|im_start|>assistant\n", think)) for k in starts)
+        # the eval prompt is the training text up to the first answer, think block included
+        first = next(i for i, m in enumerate(conv) if m["role"] == "assistant")
+        prompt = encode_prompt(tok, conv[:first])
+        assert prompt == template_ids(tok, conv[:first], add_generation_prompt=True)
+        assert tok.decode(prompt).endswith("<|im_start|>assistant\n" + think)
+        assert encode_prompt(tok, conv[:first], max_len=5) == prompt[-5:]
+        if first == len(conv) - 1:
+            assert ids[:len(prompt)] == prompt and mask[len(prompt):] == [1] * (len(ids) - len(prompt) - 1) + [0]
+        short_ids, short_mask = tokenize_conversation(tok, conv, max_len=9)
+        assert short_ids == ids[:9] and short_mask == mask[:9]
+
+
+def test_embedded_template_keeps_chatml(tiny_tokenizer):
+    from kvshot.data import encode_prompt, render_conversation
+
+    tiny_tokenizer.chat_template = CHAT_TEMPLATE
+    for conv in CONVS:
+        assert render_conversation(tiny_tokenizer, conv) == render_chat(conv)
+        assert tiny_tokenizer.decode(encode_prompt(tiny_tokenizer, conv[:1])) == render_chat(conv[:1], True)
+
+
+def test_unrendered_content_is_one_line_error(qwen_like_tokenizer):
+    tok = qwen_like_tokenizer
+    tok.chat_template = QWEN_LIKE_TEMPLATE.replace("m.content + '<|im_end|>", "m.content | upper + '<|im_end|>")
+    with pytest.raises(DataError, match=r"message 0 \(user\) is not rendered verbatim"):
+        tokenize_conversation(tok, CONVS[0], 100)
+
+
 # ---------------------------------------------------------------- prepare_data / read_jsonl
 
 def test_prepare_data_writes_atomically(tmp_path):

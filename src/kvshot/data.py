@@ -17,8 +17,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterator
 
+from .chat import (CHAT_TEMPLATE, IM_END, IM_START, encode_prompt, render_chat,  # noqa: F401 (re-exported)
+                   render_conversation, tokenize_conversation)
+
 ROLES = ("system", "user", "assistant")
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 SKIP_REASONS = ("missing_field", "wrong_type", "empty_turn", "unknown_role", "non_utf8",
                 "no_assistant", "truncated")
@@ -321,42 +323,6 @@ def split_conversations(convs: list, train_samples: int, eval_samples: int,
         raise DataError(f"split: {len(convs)} conversations give {len(train_part)} train / "
                         f"{len(eval_part)} eval (asked {train_samples} / {eval_samples})")
     return train_part, eval_part
-
-
-def render_chat(messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """ChatML (Qwen3 without thinking blocks) rendering of a conversation."""
-    text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
-    return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
-
-
-# Jinja twin of render_chat, for tokenizer.chat_template; tests check they agree.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
-def tokenize_conversation(tokenizer: Any, messages: list[dict],
-                          max_len: int) -> tuple[list[int], list[int]]:
-    """Token ids of render_chat(messages) and a mask selecting assistant text + <|im_end|>."""
-    ids: list[int] = []
-    mask: list[int] = []
-
-    def add(piece: str, weight: int) -> None:
-        piece_ids = tokenizer.encode(piece, add_special_tokens=False)
-        ids.extend(piece_ids)
-        mask.extend([weight] * len(piece_ids))
-
-    # Encoding pieces separately pins token boundaries to turn boundaries, so the mask is exact.
-    for m in messages:
-        add(f"{IM_START}{m['role']}\n", 0)
-        add(f"{m['content']}{IM_END}", int(m["role"] == "assistant"))
-        add("\n", 0)
-        if len(ids) >= max_len:
-            break
-    return ids[:max_len], mask[:max_len]
 
 
 def _atomic_write(path: Path, lines: Iterator[str] | list[str]) -> None:

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from .config import Runtime
-from .data import read_jsonl, render_chat, tokenize_conversation
+from .data import encode_prompt, read_jsonl, tokenize_conversation
 from .io import atomic_dir, read_json, write_json
 from .tokenizer import load_tokenizer
 
@@ -39,7 +39,8 @@ def load_target(target_dir: str | Path, rt: Runtime, attn: str = "auto") -> Qwen
     meta = read_json(Path(target_dir) / META_FILE)
     weights = str(target_dir) if meta["source"] == "pretrain" else meta["name"]
     model = Qwen3ForCausalLM.from_pretrained(
-        weights, dtype=rt.torch_dtype, attn_implementation=attn_implementation(attn, rt.device))
+        weights, dtype=rt.torch_dtype, attn_implementation=attn_implementation(attn, rt.device),
+        revision=meta.get("revision"))
     return model.to(rt.device).eval()
 
 
@@ -124,8 +125,7 @@ def sample_generations(model, tokenizer, conversations: list[dict], n: int, max_
     out = []
     for conv in conversations[:n]:
         prompt_msgs = conv["messages"][: next(i for i, m in enumerate(conv["messages"]) if m["role"] == "assistant")]
-        prompt = render_chat(prompt_msgs, add_generation_prompt=True)
-        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids[:, -256:].to(device)
+        ids = torch.tensor([encode_prompt(tokenizer, prompt_msgs, 256)], device=device)
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         out.append({"prompt": prompt_msgs[-1]["content"][:200],
@@ -160,9 +160,9 @@ def run_target_stage(cfg: dict, rt: Runtime, train_jsonl: str, eval_jsonl: str,
             meta = {"source": "pretrain", "name": None}
         else:
             model = Qwen3ForCausalLM.from_pretrained(
-                tcfg["name"], dtype=rt.torch_dtype,
+                tcfg["name"], dtype=rt.torch_dtype, revision=tcfg.get("revision"),
                 attn_implementation=attn_implementation(tcfg["attn_implementation"], rt.device)).to(rt.device)
-            meta = {"source": "pretrained", "name": tcfg["name"]}
+            meta = {"source": "pretrained", "name": tcfg["name"], "revision": tcfg.get("revision")}
         tokenizer.save_pretrained(tmp)
         c = model.config
         meta.update(num_hidden_layers=c.num_hidden_layers, hidden_size=c.hidden_size,

@@ -57,8 +57,8 @@ def build_tokenizer(tok_cfg: dict, train_jsonl: str | Path, out_dir: str | Path)
         tokenizer = train_bpe(read_jsonl(train_jsonl), tok_cfg["vocab_size"])
         origin = f"byte-level BPE trained on {train_jsonl}"
     else:
-        tokenizer = AutoTokenizer.from_pretrained(tok_cfg["name"])
-        origin = tok_cfg["name"]
+        tokenizer = AutoTokenizer.from_pretrained(tok_cfg["name"], revision=tok_cfg.get("revision"))
+        origin = tok_cfg["name"] + (f"@{tok_cfg['revision']}" if tok_cfg.get("revision") else "")
     check_chat_tokens(tokenizer, str(tok_cfg.get("name") or train_jsonl))
     if not tokenizer.chat_template:
         tokenizer.chat_template = CHAT_TEMPLATE
