@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import yaml
 
 from kvshot.config import ConfigError, validate_config
 
-from .conftest import tiny_config
+from .conftest import REPO, tiny_config
 from .test_pipeline import snakemake, workdir
 
 
@@ -90,3 +93,61 @@ def test_snakemake_rejects_before_any_job(tmp_path):
     out = proc.stdout + proc.stderr
     assert f"{overlay}: drafters.draft_vocab_size: 100000 is larger than the target's vocabulary" in out, out[-1500:]
     assert not (wd / "results").exists()
+
+
+# ---------------------------------------------------------------- one-line failures of a stage
+
+def _stage(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvshot", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+
+
+def _last_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_deeply_nested_json_is_one_line(tmp_path):
+    bad = tmp_path / "train.jsonl"
+    bad.write_text("[" * 200_000 + "\n")
+    line = _last_line(_stage("train-tokenizer", "--config", str(REPO / "config/config.yaml"),
+                             "--train", str(bad), "--out", str(tmp_path / "tok")))
+    assert line.startswith("kvshot train-tokenizer: error: ") and "nested too deeply" in line, line
+
+
+def test_unwritable_output_is_one_line(tmp_path):
+    line = _last_line(_stage("prepare-data", "--config", str(REPO / "config/config.yaml"),
+                             "--config", str(REPO / "config/smoke.yaml"), "--out", "/sys/kvshot/data"))
+    assert line.startswith("kvshot prepare-data: error: /sys/kvshot") and "writable folder" in line, line
+
+
+def test_full_disk_is_one_line(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        line = _last_line(_stage("prepare-data", "--config", str(REPO / "config/config.yaml"),
+                                 "--out", str(small / "data")))
+        assert "No space left on device; free disk space" in line and str(small / "data") in line, line
+        assert not list((small / "data").glob("*")), "a half-written output was left"
+    finally:
+        subprocess.run(["umount", str(small)])
+
+
+def test_leftover_scratch_of_a_killed_writer_is_removed(tmp_path):
+    from kvshot.io import atomic_dir, write_json
+
+    out = tmp_path / "drafter"
+    dead_dir, dead_file = tmp_path / ".drafter.abc123.tmp", tmp_path / ".metrics.json.xyz.tmp"
+    (dead_dir / "sub").mkdir(parents=True)
+    (dead_dir / "sub" / "w.bin").write_bytes(b"x" * 1000)
+    dead_file.write_text("{")
+    other = tmp_path / ".other.abc.tmp"   # another output's scratch is not touched
+    other.mkdir()
+    with atomic_dir(out) as tmp:
+        (tmp / "a").write_text("1")
+    write_json(tmp_path / "metrics.json", {"a": 1})
+    assert not dead_dir.exists() and not dead_file.exists() and other.exists()
+    assert (out / "a").read_text() == "1"

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
+import traceback
 
 from .config import ConfigError, read_config, runtime
 from .data import DataError
@@ -37,10 +39,14 @@ def _cmd_capture_features(args, cfg) -> dict:
 
 
 def _cmd_train_drafter(args, cfg) -> dict:
-    from .train import train_variant
+    from .train import STOP_EXIT_CODE, StoppedForRuntime, train_variant
 
-    m = train_variant(cfg, runtime(cfg), args.variant, args.train_features, args.eval_features, args.target, args.out)
-    return {k: m.get(k) for k in ("variant", "steps", "train_seconds", "eval")}
+    try:
+        m = train_variant(cfg, runtime(cfg), args.variant, args.train_features, args.eval_features, args.target,
+                          args.out, args.runtime_minutes)
+    except StoppedForRuntime:   # checkpointed before the job's limit: a distinct code, so a retry resumes
+        sys.exit(STOP_EXIT_CODE)
+    return {k: m.get(k) for k in ("variant", "steps", "stopped_by", "train_seconds", "eval")}
 
 
 def _cmd_target_continuations(args, cfg) -> dict:
@@ -126,11 +132,26 @@ def parser() -> argparse.ArgumentParser:
         if stage == "prepare-data":
             s.add_argument("--train-samples", type=int, default=None,
                            help="override data.train_samples (scaling sweeps)")
+        if stage == "train-drafter":
+            s.add_argument("--runtime-minutes", type=float, default=None,
+                           help="the job's wall-clock limit: checkpoint and exit 75 at this less "
+                                "drafters.train.stop_margin_minutes, counted from process start")
     s = sub.add_parser("readme", parents=[common], help="regenerate the README's results block")
     s.add_argument("--results", default="results")
     s.add_argument("--readme", default="README.md")
     s.add_argument("--image", default="docs/decay.png")
     return p
+
+
+def os_error_line(exc: OSError, output: str | None = None) -> str:
+    """One line for a failed read or write: the file, the reason, what to do."""
+    where = exc.filename or (f"writing {output}" if output else "<unknown file>")
+    hint = {errno.ENOSPC: "free disk space, then rerun (completed outputs are kept)",
+            errno.EDQUOT: "free quota, then rerun (completed outputs are kept)",
+            errno.EROFS: "the file system is read-only: run from a writable folder",
+            errno.EACCES: "no permission: fix the folder's permissions or run from a writable folder",
+            errno.EPERM: "not permitted: run from a writable folder"}
+    return f"{where}: {exc.strerror or exc}" + (f"; {hint[exc.errno]}" if exc.errno in hint else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,6 +164,16 @@ def main(argv: list[str] | None = None) -> int:
         summary = fn(args, cfg)
     except (ConfigError, DataError, FileNotFoundError) as exc:
         print(f"kvshot {args.stage}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:   # full disk, read-only or unreadable output: the traceback stays in the log
+        traceback.print_exc()
+        output = next((getattr(args, a) for a in ("out", "tables", "figure") if getattr(args, a, None)), None)
+        print(f"kvshot {args.stage}: error: {os_error_line(exc, output)}", file=sys.stderr)
+        return 2
+    except RecursionError:
+        traceback.print_exc()
+        print(f"kvshot {args.stage}: error: an input file is nested too deeply to read (a damaged or hostile "
+              f"JSON file?); see the traceback above for which", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=2, default=str))
     return 0

@@ -21,9 +21,26 @@ def _finite(obj):
     return obj
 
 
+def remove_leftovers(path: str | Path) -> list[Path]:
+    """Scratch files and folders a killed writer of `path` left beside it (`.{name}.*.tmp`).
+    One job writes one output, so any found when that job starts again are dead."""
+    path = Path(path)
+    gone = []
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+        gone.append(stale)
+    if gone:
+        print(f"removed {len(gone)} leftover scratch path(s) of {path} from a killed run", flush=True)
+    return gone
+
+
 def write_text(path: str | Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:
@@ -49,6 +66,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Yield a scratch folder beside `path`; it becomes `path` only if the block succeeds."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(path)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         yield tmp
