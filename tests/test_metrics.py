@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from kvshot.metrics import alpha, bootstrap, chain_counts, expected_speedup, expected_tokens, mat, retention
+from kvshot.metrics import (alpha, beta_cdf, beta_quantile, bootstrap, chain_counts, chain_summary, expected_speedup,
+                            expected_tokens, jeffreys_interval, mat, retention)
 
 # four drafting rounds, K = 4; worked out by hand:
 #   reached  = [4, 3, 2, 1]  (round 2 fails step 0; round 1 fails step 1; round 0 fails step 2)
@@ -61,3 +62,77 @@ def test_bootstrap_interval_contains_the_estimate_and_shrinks_with_data():
     assert widths[1] < widths[0]
     r, a = per_seq(big, 40)
     assert bootstrap(r, a, samples=50, seed=3) == bootstrap(r, a, samples=50, seed=3)
+
+
+def per_sequence(correct: torch.Tensor, seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    counts = [chain_counts(rows) for rows in correct.view(seqs, -1, correct.shape[1])]
+    return torch.stack([c[0] for c in counts]), torch.stack([c[1] for c in counts])
+
+
+def test_beta_cdf_and_quantile_against_closed_forms():
+    for x in (1e-4, 0.1, 0.37, 0.5, 0.9, 0.9999):
+        # Beta(1/2, 1/2) is the arcsine law; Beta(a, 1) has CDF x^a
+        assert beta_cdf(x, 0.5, 0.5) == pytest.approx(2 / math.pi * math.asin(math.sqrt(x)), abs=1e-12)
+        assert beta_cdf(x, 3.2, 1.0) == pytest.approx(x ** 3.2, rel=1e-10)
+        assert beta_cdf(x, 7.5, 2.5) + beta_cdf(1 - x, 2.5, 7.5) == pytest.approx(1.0, abs=1e-12)
+    assert beta_quantile(0.5, 40.5, 40.5) == pytest.approx(0.5, abs=1e-12)
+    assert beta_quantile(0.9, 3.2, 1.0) == pytest.approx(0.9 ** (1 / 3.2), abs=1e-12)
+
+
+def test_jeffreys_interval_matches_published_values():
+    # Brown, Cai & DasGupta (2001): 0 of 10 -> [0, 0.217]; the interval never has zero width
+    assert jeffreys_interval(0, 10) == pytest.approx([0.0, 0.2172], abs=1e-4)
+    assert jeffreys_interval(10, 10) == pytest.approx([0.7828, 1.0], abs=1e-4)
+    lo, hi = jeffreys_interval(5, 10)
+    assert lo == pytest.approx(1 - hi) and 0.2 < lo < 0.25
+    assert jeffreys_interval(0, 0) == [0.0, 1.0]
+    # large counts: the normal approximation
+    lo, hi = jeffreys_interval(470_000, 1_000_000)
+    assert (hi - lo) / 2 == pytest.approx(1.96 * math.sqrt(0.47 * 0.53 / 1e6), rel=1e-3)
+
+
+def test_intervals_do_not_collapse_on_few_rounds():
+    # two prompts, three rounds each, every draft accepted through step 2, never at step 3
+    correct = torch.tensor([[1, 1, 1, 0]] * 6, dtype=torch.bool)
+    r, a = per_sequence(correct, 2)
+    s = chain_summary(r, a, samples=300, seed=0, min_rounds=30)
+    for key in ("alpha_ci", "alpha_jeffreys_ci", "cumulative_ci"):
+        for lo, hi in s[key]:
+            assert hi - lo > 0.05, (key, lo, hi)
+    assert s["mat_ci"][1] - s["mat_ci"][0] > 0.05
+    # the old bootstrap gave [1, 1] for alpha_0 here
+    assert s["alpha_ci"][0][0] < 0.95 and s["alpha_observed"][0] == 1.0
+    assert s["alpha"] == [None] * 4 and s["alpha_sufficient"] == [False] * 4 and s["retention"] is None
+
+
+def test_undefined_resamples_are_counted_not_dropped():
+    # step 1 is reached only in the first of four prompts (resamples without it leave alpha_1
+    # undefined), step 2 in none
+    correct = torch.tensor([[1, 0, 0], [1, 0, 1], [0, 0, 0], [0, 1, 1]] + [[0, 0, 0]] * 4, dtype=torch.bool)
+    r, a = per_sequence(correct, 4)
+    assert r[:, 1].tolist() == [2, 0, 0, 0]
+    s = bootstrap(r, a, samples=400, seed=0)
+    undefined = s["alpha_undefined_resamples"]
+    assert undefined[0] == 0 and 0.2 * 400 < undefined[1] < 0.5 * 400     # (3/4)^4 = 32% of resamples
+    assert undefined[2] == 400
+    # an undefined step draws from the prior: the interval is wide, not a point and not NaN
+    lo, hi = s["alpha_ci"][2]
+    assert hi - lo > 0.5
+
+
+def test_chain_summary_minimum_rounds_cumulative_and_mat():
+    gen = torch.Generator().manual_seed(0)
+    correct = torch.rand(600, 5, generator=gen) < 0.5
+    r, a = per_sequence(correct, 20)
+    s = chain_summary(r, a, samples=200, seed=2, min_rounds=50)
+    rounds, acc = r.sum(0).tolist(), a.sum(0).tolist()
+    assert s["rounds"] == rounds and s["accepted"] == acc
+    observed = [x / n for x, n in zip(acc, rounds)]
+    assert s["alpha_observed"] == pytest.approx(observed)
+    assert s["alpha_sufficient"] == [n >= 50 for n in rounds] and False in s["alpha_sufficient"]
+    assert s["alpha"] == [x if n >= 50 else None for x, n in zip(observed, rounds)]
+    assert s["cumulative"] == pytest.approx([math.prod(observed[: k + 1]) for k in range(5)])
+    assert s["mat"] == pytest.approx(1 + sum(s["cumulative"]))
+    for k, (lo, hi) in enumerate(s["alpha_ci"]):
+        assert lo < hi and (lo <= observed[k] <= hi or rounds[k] < 50)
+    assert chain_summary(r, a, samples=200, seed=2, min_rounds=50) == s      # deterministic for a seed

@@ -15,7 +15,7 @@ from .data import read_jsonl, render_chat
 from .drafters import Drafter
 from .features import pad_batch
 from .io import read_json, write_json
-from .metrics import alpha, bootstrap, chain_counts, mat, retention
+from .metrics import DEFAULT_MIN_ROUNDS, chain_counts, chain_summary
 from .target import target_forward
 from .ttt import unroll
 
@@ -110,9 +110,10 @@ def chain_correct(drafter: Drafter, target, items: list[dict], aux_layers: tuple
 
 
 def stepwise(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
-             batch_size: int, device: str, bootstrap_samples: int = 1000, seed: int = 0) -> dict:
+             batch_size: int, device: str, bootstrap_samples: int = 1000, seed: int = 0,
+             min_rounds: int = DEFAULT_MIN_ROUNDS) -> dict:
     """Exact greedy chain drafting from every anchor of the target's continuations: alpha_k,
-    acc_k, MAT, retention, with intervals that resample whole sequences."""
+    acc_k, MAT, retention, with intervals that resample whole sequences (`chain_summary`)."""
     reached_seq, accepted_seq, tf_correct, tf_total = [], [], torch.zeros(steps), 0
     for rows, chain_ok, forced_ok in chain_correct(drafter, target, items, aux_layers, steps, batch_size, device):
         if len(rows) == 0:
@@ -125,19 +126,13 @@ def stepwise(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int,
     if not reached_seq:
         raise ValueError(f"no continuation is longer than {steps} tokens: nothing to evaluate")
     reached, accepted = torch.stack(reached_seq), torch.stack(accepted_seq)
-    alphas = alpha(reached.sum(0), accepted.sum(0))
     result = {
-        "alpha": alphas,
         "acc": (tf_correct / max(tf_total, 1)).tolist(),
         "acc_note": "unconditional teacher-forced top-1 accuracy per step (acc_k), not alpha_k",
-        "mat": mat(alphas),
-        "retention": retention(alphas),
-        "rounds": reached.sum(0).tolist(),
-        "accepted": accepted.sum(0).tolist(),
         "sequences": int(reached.shape[0]),
         "steps": steps,
     }
-    result.update(bootstrap(reached, accepted, bootstrap_samples, seed))
+    result.update(chain_summary(reached, accepted, bootstrap_samples, seed, min_rounds))
     return result
 
 
@@ -152,7 +147,8 @@ def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dir: str, target_dir: str
     items = read_json(continuations)["items"]
     start = time.time()
     result = stepwise(drafter, target, items, aux, cfg["drafters"]["ttt_steps"], cfg["eval"]["batch_size"],
-                      rt.device, cfg["eval"]["bootstrap_samples"], cfg["seed"])
+                      rt.device, cfg["eval"]["bootstrap_samples"], cfg["seed"],
+                      min_rounds=cfg["eval"]["min_rounds"])
     result.update(variant=Path(drafter_dir).name, paradigm=drafter.cfg.paradigm, layers=drafter.cfg.num_layers,
                   seconds=time.time() - start, device=rt.device, threads=rt.threads)
     write_json(out_path, result)

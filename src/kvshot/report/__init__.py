@@ -39,6 +39,12 @@ def run_scaling_report(results: str, sizes: list[int], variants: list[str], figu
 
 
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
+STEPWISE_NOTE = ("A rate that rests on fewer rounds than `eval.min_rounds` reads *insufficient data*, and a claim "
+                 "that rests on it reads *inconclusive*. Intervals: prompt bootstrap x Jeffreys posterior per step.")
+MAT_TAU_NOTE = ("Step-wise MAT and E2E tau differ by design (column `tau - MAT`): MAT drafts from every anchor of every "
+                "continuation, while decoding drafts only where the previous round stopped, so its anchors follow the "
+                "accepted runs; decoding covers only the first `eval.e2e.prompts` prompts and `eval.e2e.max_new_tokens` "
+                "tokens, and its rounds near that limit cannot accept all K drafts.")
 
 
 def update_readme(results: str, variants: list[str], readme: str, image: str) -> None:
@@ -52,8 +58,10 @@ def update_readme(results: str, variants: list[str], readme: str, image: str) ->
     claims = evaluate_claims(loaded)
     rel = Path(image).relative_to(Path(readme).parent) if Path(image).is_absolute() else Path(image)
     block = "\n".join([README_START, "", f"![alpha_k by draft step]({rel.as_posix()})", "",
-                        "Step-wise acceptance (`results/tables/stepwise.md`):", "", _markdown(stepwise_rows(loaded)),
-                        "End-to-end decoding (`results/tables/e2e.md`):", "", _markdown(e2e_rows(loaded)),
+                        "Step-wise acceptance (`results/tables/stepwise.md`; n_k: rounds that reached step k; "
+                        "per-step counts, cumulative acceptance and intervals in `results/tables/steps.md`):", "",
+                        _markdown(stepwise_rows(loaded)), STEPWISE_NOTE, "",
+                        "End-to-end decoding (`results/tables/e2e.md`):", "", _markdown(e2e_rows(loaded)), MAT_TAU_NOTE, "",
                         claims_markdown(claims).replace("# Claims verdict", "Claims verdict (`results/claims.md`):"),
                         README_END])
     text = Path(readme).read_text()

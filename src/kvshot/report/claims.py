@@ -1,31 +1,79 @@
 """A verdict on each of the paper's claims, computed from the result files only.
 
-Step-wise comparisons use the bootstrap 95% intervals: `reproduced` when the intervals
-separate in the paper's direction, `not reproduced` when they separate the other way,
-`inconclusive` when they overlap. Thresholds for the diagnostics are stated with each test.
+Step-wise comparisons use the 95% intervals of stepwise.json (prompt bootstrap x Jeffreys
+posterior): `reproduced` when the intervals separate in the paper's direction, `not reproduced`
+when they separate the other way, `inconclusive` when they overlap. Two rules keep a verdict from
+resting on too little: a number below the minimum rounds (stepwise.json `min_rounds`) makes its
+comparison inconclusive, and with per-seed results the direction must hold in every seed. The
+diagnostics without intervals (E2E timings, gate, gradients) state their thresholds with each
+test, and every seed must give the same verdict. The paper's numbers come from results.PAPER.
 """
 from __future__ import annotations
 
+import math
 import statistics
+from dataclasses import dataclass
+from typing import Callable
 
-from .results import Variant, roles
+from .results import PAPER, Variant, roles, seed_runs
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, MISSING = "reproduced", "not reproduced", "inconclusive", "not measured"
 
 GATE_COLLAPSE_RATIO = 0.5      # final mean gate below half its initial value
-KV_KEY_SHARE_SPARSE = 0.2      # under 20% of attended keys carry gradient to W_K/W_V
+KV_KEY_SHARE_SPARSE = 0.2      # under 20% of the attention mass on keys from the drafter's own W_K/W_V
 KV_GRAD_RATIO_SPARSE = 0.5     # |grad W_K,W_V| below half of |grad W_Q,W_O| (median over training)
 E2E_MARGINAL = 0.05            # |tau gain| within 5%
+OWN_KEY_MASS = "kv_own_key_mass"   # train_log field: measured attention mass on the drafter's own keys
+OVERHEAD_BAND = PAPER["draft_overhead"]
 
 
-def greater(a: float, a_ci, b: float, b_ci) -> str:
-    """Is a > b, judged by the intervals (undefined numbers: inconclusive)."""
-    if any(x != x for x in (a, b, *a_ci, *b_ci)):
+@dataclass(frozen=True)
+class Estimate:
+    """One step-wise number with its interval and the rounds it rests on."""
+    what: str
+    value: float
+    ci: tuple[float, float]
+    rounds: int
+    min_rounds: int
+
+    @property
+    def enough(self) -> bool:
+        return self.rounds >= self.min_rounds and not math.isnan(self.value)
+
+    def text(self) -> str:
+        if not self.enough:
+            return f"insufficient data ({self.rounds} rounds < {self.min_rounds})"
+        return f"{self.value:.3f} [{self.ci[0]:.3f}, {self.ci[1]:.3f}] (n={self.rounds})"
+
+
+def alpha_at(k: int) -> Callable[[Variant], Estimate]:
+    def get(v: Variant) -> Estimate:
+        sw = v.stepwise
+        return Estimate(f"alpha_{k}", sw["alpha_observed"][k], tuple(sw["alpha_ci"][k]), sw["rounds"][k],
+                        sw["min_rounds"])
+    return get
+
+
+def mat_of(v: Variant) -> Estimate:
+    """MAT = 1 + sum_k accepted_k / rounds_0: it rests on the rounds of step 0."""
+    sw = v.stepwise
+    return Estimate("MAT", sw["mat"], tuple(sw["mat_ci"]), sw["rounds"][0], sw["min_rounds"])
+
+
+def retention_of(v: Variant) -> Estimate:
+    sw = v.stepwise
+    return Estimate("retention", sw["retention_observed"], tuple(sw["retention_ci"]),
+                    min(sw["rounds"][0], sw["rounds"][-1]), sw["min_rounds"])
+
+
+def greater(x: Estimate, y: Estimate, per_seed: list[tuple[float, float]] = ()) -> str:
+    """Is x > y? Judged by the intervals, given enough rounds, and by the direction in every seed."""
+    if not (x.enough and y.enough) or any(math.isnan(c) for c in (*x.ci, *y.ci)):
         return INCONCLUSIVE
-    if a_ci[0] > b_ci[1]:
-        return REPRODUCED
-    if a_ci[1] < b_ci[0]:
-        return NOT_REPRODUCED
+    if x.ci[0] > y.ci[1]:
+        return REPRODUCED if all(a > b for a, b in per_seed) else INCONCLUSIVE
+    if x.ci[1] < y.ci[0]:
+        return NOT_REPRODUCED if all(a < b for a, b in per_seed) else INCONCLUSIVE
     return INCONCLUSIVE
 
 
@@ -37,87 +85,131 @@ def combine(verdicts: list[str]) -> str:
     return REPRODUCED if all(v == REPRODUCED for v in verdicts) else INCONCLUSIVE
 
 
-def _alpha(v: Variant, k: int):
-    sw = v.stepwise
-    return sw["alpha"][k], sw["alpha_ci"][k]
+def agree(pooled: str, per_seed: list[str]) -> str:
+    """A diagnostic's verdict stands only if every seed that measured it gives the same one."""
+    measured = [v for v in per_seed if v != MISSING]
+    return pooled if pooled == MISSING or all(v == pooled for v in measured) else INCONCLUSIVE
 
 
-def _mat(v: Variant):
-    return v.stepwise["mat"], v.stepwise["mat_ci"]
+class Judge:
+    """Comparisons between variants, with each seed's values of the same variants and the notes
+    on numbers that rest on too few rounds."""
+
+    def __init__(self, per_seed: list[list[Variant]]):
+        self.seeds = [{v.name: v for v in run} for run in per_seed]
+        self.notes: list[str] = []
+
+    def greater(self, x: Variant, y: Variant, get: Callable[[Variant], Estimate]) -> str:
+        ex, ey = get(x), get(y)
+        for e, v in ((ex, x), (ey, y)):
+            note = f"{e.what} of {v.name}: {e.text()}"
+            if not e.enough and note not in self.notes:
+                self.notes.append(note)
+        return greater(ex, ey, [(get(s[x.name]).value, get(s[y.name]).value) for s in self.seeds])
+
+    def take_notes(self) -> str:
+        notes, self.notes = self.notes, []
+        return "; ".join(notes)
 
 
-def _fmt(x, ci=None) -> str:
-    if x is None:
-        return "n/a"
-    return f"{x:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+def claim(name: str, paper: str, test: str, numbers: dict, verdict: str, note: str = "", seeds: int = 0) -> dict:
+    out = {"claim": name, "paper": paper, "test": test, "numbers": numbers, "verdict": verdict}
+    if note:
+        out["note"] = note
+    if seeds:
+        out["seeds"] = seeds
+    return out
 
 
-def claim(name: str, paper: str, test: str, numbers: dict, verdict: str) -> dict:
-    return {"claim": name, "paper": paper, "test": test, "numbers": numbers, "verdict": verdict}
-
-
-def evaluate_claims(variants: list[Variant]) -> list[dict]:
+def evaluate_claims(variants: list[Variant], per_seed: list[list[Variant]] | None = None) -> list[dict]:
+    """Every claim's verdict. per_seed: one list of variants per training seed (default: the
+    variants' own per-seed records, `results.seed_runs`); empty for a single run."""
+    per_seed = seed_runs(variants) if per_seed is None else per_seed
+    judge, n_seeds = Judge(per_seed), len(per_seed)
     r = roles(variants)
     ref, kv, hyb = r["eagle3"], r["kv"], r["hybrid"]
     out = []
     last = (ref.stepwise["steps"] - 1) if ref else 6
+    P = PAPER
 
-    # P1: long-range advantage
+    def add(name, paper, test, numbers, verdict):
+        out.append(claim(name, paper, test, numbers, verdict, judge.take_notes(), n_seeds))
+
     if ref and kv:
         deep = kv[max(kv)]
-        a, b = _alpha(deep, last), _alpha(ref, last)
-        out.append(claim("P1 long-range advantage", "alpha_6: 4-layer KV-only 0.495 > EAGLE-3 0.469",
-                         f"alpha_{last}({deep.name}) > alpha_{last}({ref.name}), 95% intervals",
-                         {deep.name: _fmt(*a), ref.name: _fmt(*b)}, greater(a[0], a[1], b[0], b[1])))
-    # P2: query-estimation (depth) bottleneck
+        v = judge.greater(deep, ref, alpha_at(last))
+        add("P1 long-range advantage",
+            f"alpha_6: 4-layer KV-only {P['alpha_6']['kv-d4']} > EAGLE-3 {P['alpha_6']['eagle3']}",
+            f"alpha_{last}({deep.name}) > alpha_{last}({ref.name}), 95% intervals",
+            {deep.name: alpha_at(last)(deep).text(), ref.name: alpha_at(last)(ref).text()}, v)
     if ref and len(kv) >= 2:
         depths = sorted(kv)
-        verdicts = [greater(*_mat(kv[depths[1]]), *_mat(kv[depths[0]]))]
-        verdicts += [greater(*_mat(ref), *_mat(kv[d])) for d in depths]
-        nums = {kv[d].name: _fmt(*_mat(kv[d])) for d in depths} | {ref.name: _fmt(*_mat(ref))}
-        out.append(claim("P2 depth bottleneck", "MAT 1.84 (1 layer) < 2.23 (2 layers), 4 layers diminishing, "
-                         "all below EAGLE-3's 2.37", f"MAT(depth {depths[1]}) > MAT(depth {depths[0]}) and "
-                         f"MAT({ref.name}) > MAT of every KV-only depth", nums, combine(verdicts)))
-    # P3: short-range disadvantage
+        verdicts = [judge.greater(kv[depths[1]], kv[depths[0]], mat_of)]
+        verdicts += [judge.greater(ref, kv[d], mat_of) for d in depths]
+        m = P["mat"]
+        add("P2 depth bottleneck", f"MAT {m['kv-d1']} (1 layer) < {m['kv-d2']} (2 layers), 4 layers diminishing, "
+            f"all below EAGLE-3's {m['eagle3']}", f"MAT(depth {depths[1]}) > MAT(depth {depths[0]}) and "
+            f"MAT({ref.name}) > MAT of every KV-only depth",
+            {kv[d].name: mat_of(kv[d]).text() for d in depths} | {ref.name: mat_of(ref).text()}, combine(verdicts))
     if ref and kv:
         verdicts, nums = [], {}
         for k in (0, 1):
-            nums[f"alpha_{k} {ref.name}"] = _fmt(*_alpha(ref, k))
-            for d, v in kv.items():
-                verdicts.append(greater(*_alpha(ref, k), *_alpha(v, k)))
-                nums[f"alpha_{k} {v.name}"] = _fmt(*_alpha(v, k))
-        out.append(claim("P3 short-range disadvantage", "hidden-only wins at k = 0, 1",
-                         f"alpha_0 and alpha_1 of {ref.name} > every KV-only variant", nums, combine(verdicts)))
-    # Hybrid best step-wise, and its retention gain
+            nums[f"alpha_{k} {ref.name}"] = alpha_at(k)(ref).text()
+            for v in kv.values():
+                verdicts.append(judge.greater(ref, v, alpha_at(k)))
+                nums[f"alpha_{k} {v.name}"] = alpha_at(k)(v).text()
+        add("P3 short-range disadvantage", "hidden-only wins at k = 0, 1",
+            f"alpha_0 and alpha_1 of {ref.name} > every KV-only variant", nums, combine(verdicts))
     if hyb:
         others = [v for v in r["paper"] if v is not hyb]
-        out.append(claim("hybrid best step-wise", "MAT 2.54 vs EAGLE-3 2.37", f"MAT({hyb.name}) > MAT of every other variant",
-                         {v.name: _fmt(*_mat(v)) for v in r["paper"]},
-                         combine([greater(*_mat(hyb), *_mat(v)) for v in others])))
+        add("hybrid best step-wise", f"MAT {P['mat']['hybrid']} vs EAGLE-3 {P['mat']['eagle3']}",
+            f"MAT({hyb.name}) > MAT of every other variant", {v.name: mat_of(v).text() for v in r["paper"]},
+            combine([judge.greater(hyb, v, mat_of) for v in others]))
     if hyb and ref:
-        a = (hyb.stepwise["retention"], hyb.stepwise["retention_ci"])
-        b = (ref.stepwise["retention"], ref.stepwise["retention_ci"])
-        out.append(claim("long-range retention gain", "alpha_6/alpha_0: 73.5% (EAGLE-3) -> 77.3% (hybrid)",
-                         f"retention({hyb.name}) > retention({ref.name})", {hyb.name: _fmt(*a), ref.name: _fmt(*b)},
-                         greater(a[0], a[1], b[0], b[1])))
-    out.append(_e2e_claim(ref, hyb))
-    out.append(_gate_claim(hyb))
-    out.append(_gradient_claim(kv[max(kv)] if kv else None))
+        ret = P["retention"]
+        add("long-range retention gain", f"alpha_6/alpha_0: {ret['eagle3']:.1%} (EAGLE-3) -> {ret['hybrid']:.1%} (hybrid)",
+            f"retention({hyb.name}) > retention({ref.name})",
+            {hyb.name: retention_of(hyb).text(), ref.name: retention_of(ref).text()},
+            judge.greater(hyb, ref, retention_of))
+    seed_roles = [roles(run) for run in per_seed]
+    out.append(_per_seed(_e2e_claim, (ref, hyb), [(s["eagle3"], s["hybrid"]) for s in seed_roles]))
+    out.append(_per_seed(_gate_claim, (hyb,), [(s["hybrid"],) for s in seed_roles]))
+    deepest = lambda rr: rr["kv"][max(rr["kv"])] if rr["kv"] else None   # noqa: E731
+    out.append(_per_seed(_gradient_claim, (deepest(r),), [(deepest(s),) for s in seed_roles]))
     return out
 
 
+def _per_seed(test: Callable[..., dict], pooled_args: tuple, seed_args: list[tuple]) -> dict:
+    """A diagnostic judged on the pooled result and on every seed; seeds must agree."""
+    result = test(*pooled_args)
+    seeds = [test(*args)["verdict"] for args in seed_args]
+    if seeds:
+        verdict = agree(result["verdict"], seeds)
+        if verdict != result["verdict"]:
+            result["note"] = "; ".join(filter(None, [result.get("note"), f"per-seed verdicts differ: {seeds}"]))
+        result["verdict"], result["seeds"] = verdict, len(seeds)
+    return result
+
+
 def _e2e_claim(ref: Variant | None, hyb: Variant | None) -> dict:
-    name, paper = "marginal E2E gain, 5-10% drafting overhead", "tau 5.01 -> 5.04; cross-attention adds 5-10% drafting latency"
-    test = f"|tau(hybrid)/tau(EAGLE-3) - 1| <= {E2E_MARGINAL:.0%} (chain) and drafting time per round of hybrid > EAGLE-3's"
+    lo, hi = OVERHEAD_BAND
+    name = f"marginal E2E gain, {lo * 100:g}-{hi * 100:g}% drafting overhead"
+    paper = (f"tau {PAPER['tau']['eagle3']} -> {PAPER['tau']['hybrid']}; cross-attention adds "
+             f"{lo * 100:g}-{hi * 100:g}% drafting latency")
+    test = (f"|tau(hybrid)/tau(EAGLE-3) - 1| <= {E2E_MARGINAL:.0%} (chain) and drafting time per round of hybrid "
+            f"{lo:.0%}-{hi:.0%} above EAGLE-3's; fewer rounds than min_rounds: inconclusive")
     if not (ref and hyb and ref.e2e and hyb.e2e):
         return claim(name, paper, test, {}, MISSING)
     a, b = hyb.e2e["modes"]["chain"], ref.e2e["modes"]["chain"]
     gain = a["tau"] / b["tau"] - 1
     overhead = a["draft_seconds_per_round"] / b["draft_seconds_per_round"] - 1
-    ok = abs(gain) <= E2E_MARGINAL and overhead > 0
-    return claim(name, paper, test, {"tau gain": f"{gain:+.1%}", "drafting overhead": f"{overhead:+.1%}",
-                                     f"tau {ref.name}": f"{b['tau']:.3f}", f"tau {hyb.name}": f"{a['tau']:.3f}"},
-                 REPRODUCED if ok else NOT_REPRODUCED)
+    rounds, min_rounds = min(a.get("rounds", 0), b.get("rounds", 0)), ref.stepwise["min_rounds"]
+    nums = {"tau gain": f"{gain:+.1%}", "drafting overhead": f"{overhead:+.1%}", "rounds": str(rounds),
+            f"tau {ref.name}": f"{b['tau']:.3f}", f"tau {hyb.name}": f"{a['tau']:.3f}"}
+    if rounds < min_rounds:
+        return claim(name, paper, test, nums, INCONCLUSIVE, f"{rounds} decoding rounds < min_rounds {min_rounds}")
+    ok = abs(gain) <= E2E_MARGINAL and lo <= overhead <= hi
+    return claim(name, paper, test, nums, REPRODUCED if ok else NOT_REPRODUCED)
 
 
 def _gate_claim(hyb: Variant | None) -> dict:
@@ -134,24 +226,38 @@ def _gate_claim(hyb: Variant | None) -> dict:
 
 def _gradient_claim(deep: Variant | None) -> dict:
     name, paper = "sparse KV-path gradient", "drafter-side W_K/W_V see only the drafted tokens: sparse, unbalanced gradient"
-    test = (f"{deep.name if deep else 'deepest KV-only'}: share of attended keys from its own W_K/W_V < "
-            f"{KV_KEY_SHARE_SPARSE} and median |grad W_K,W_V| / |grad W_Q,W_O| < {KV_GRAD_RATIO_SPARSE}")
-    recs = [r for r in (deep.log if deep else []) if r.get("kv_key_share") is not None]
-    if not recs:
+    test = (f"{deep.name if deep else 'deepest KV-only'}: measured attention mass of KV-path queries on the drafter's "
+            f"own keys < {KV_KEY_SHARE_SPARSE} and median |grad W_K,W_V| / |grad W_Q,W_O| < {KV_GRAD_RATIO_SPARSE}")
+    log = deep.log if deep else []
+    grads = [r["grad_norm"] for r in log if {"kv_wk_wv", "kv_query_out"} <= set(r.get("grad_norm") or {})]
+    measured = [r[OWN_KEY_MASS] for r in log if r.get(OWN_KEY_MASS) is not None]
+    formula = [r["kv_key_share"] for r in log if r.get("kv_key_share") is not None]
+    if not grads or not (measured or formula):
         return claim(name, paper, test, {}, MISSING)
-    share = statistics.mean(r["kv_key_share"] for r in recs)
-    ratio = statistics.median(r["grad_norm"]["kv_wk_wv"] / max(r["grad_norm"]["kv_query_out"], 1e-12) for r in recs)
+    ratio = statistics.median(g["kv_wk_wv"] / max(g["kv_query_out"], 1e-12) for g in grads)
+    if not measured:
+        # (k+1)/(t+k+2) is a function of lengths alone: it cannot fail, so it decides nothing
+        return claim(name, paper, test, {"own-key share (length formula)": f"{statistics.mean(formula):.3f}",
+                                         "grad ratio": f"{ratio:.3f}"}, INCONCLUSIVE,
+                     f"only the length formula (k+1)/(t+k+2) is logged; a measured attention mass on the "
+                     f"drafter's own keys (train_log `{OWN_KEY_MASS}`) is needed")
+    share = statistics.mean(measured)
     ok = share < KV_KEY_SHARE_SPARSE and ratio < KV_GRAD_RATIO_SPARSE
     half = share < KV_KEY_SHARE_SPARSE or ratio < KV_GRAD_RATIO_SPARSE
-    return claim(name, paper, test, {"own-key share": f"{share:.3f}", "grad ratio": f"{ratio:.3f}"},
+    return claim(name, paper, test, {"own-key attention mass": f"{share:.3f}", "grad ratio": f"{ratio:.3f}"},
                  REPRODUCED if ok else INCONCLUSIVE if half else NOT_REPRODUCED)
 
 
 def claims_markdown(claims: list[dict]) -> str:
     lines = ["# Claims verdict", "", "Computed by `kvshot report` from the result files; paper numbers are "
-             "Qwen3-8B's (shared/PAPER.md), this run's are the embedded or configured scale.", "",
+             "Qwen3-8B's (shared/PAPER.md), this run's are the embedded or configured scale. A number that rests "
+             "on fewer rounds than the minimum reads \"insufficient data\" and its comparison is inconclusive.", "",
              "| claim | paper | test | this run | verdict |", "|---|---|---|---|---|"]
+    cell = lambda text: str(text).replace("|", "\\|")   # noqa: E731  (|x| in a test is not a column)
     for c in claims:
         nums = "; ".join(f"{k}: {v}" for k, v in c["numbers"].items()) or "n/a"
-        lines.append(f"| {c['claim']} | {c['paper']} | {c['test']} | {nums} | **{c['verdict']}** |")
+        extra = [f"{c['seeds']} seeds"] if c.get("seeds") else []
+        extra += [c["note"]] if c.get("note") else []
+        verdict = f"**{c['verdict']}**" + (f" ({'; '.join(extra)})" if extra else "")
+        lines.append("| " + " | ".join(cell(x) for x in (c["claim"], c["paper"], c["test"], nums, verdict)) + " |")
     return "\n".join(lines) + "\n"

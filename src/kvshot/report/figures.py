@@ -41,24 +41,39 @@ def _err(values, cis):
 
 
 def decay(variants: list[Variant], path) -> None:
+    """alpha_k with its interval per step, and below it the rounds each alpha_k rests on. A point
+    below the minimum rounds is drawn hollow, without line or interval."""
     _style()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, (ax, axn) = plt.subplots(2, 1, figsize=(6.4, 6.2), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
     for v in variants:
-        a = v.stepwise["alpha"]
-        ks = list(range(len(a)))
-        ax.errorbar(ks, a, yerr=_err(a, v.stepwise["alpha_ci"]), marker="o", capsize=3, label=v.label)
+        sw = v.stepwise
+        a, ok = sw["alpha_observed"], sw["alpha_sufficient"]
+        good = [k for k in range(len(a)) if ok[k]]
+        few = [k for k in range(len(a)) if not ok[k] and a[k] == a[k]]
+        line = ax.errorbar(good, [a[k] for k in good], yerr=_err([a[k] for k in good], [sw["alpha_ci"][k] for k in good]),
+                           marker="o", capsize=3, label=v.label)
+        color = line.lines[0].get_color()
+        ax.scatter(few, [a[k] for k in few], facecolors="none", edgecolors=color, zorder=4)
+        axn.plot(range(len(a)), sw["rounds"], marker="o", color=color)
     last = len(variants[0].stepwise["alpha"]) - 1
     for who, value in PAPER["alpha_6"].items():
         ax.scatter([6], [value], **PAPER_STYLE)
         ax.annotate(f"paper {who}\n{value}", (6, value), textcoords="offset points", fontsize=7,
                     xytext=(8, 4 if who == "kv-d4" else -16))
-    ax.set_xlabel("draft step k")
+    min_rounds = variants[0].stepwise["min_rounds"]
     ax.set_ylabel(r"$\alpha_k$ (conditional acceptance)")
-    ax.set_title("Long-range decay of acceptance\n(X: the paper's Qwen3-8B values at k = 6)", fontsize=10)
-    ax.set_xticks(range(last + 1))
+    ax.set_title("Long-range decay of acceptance\n(X: the paper's Qwen3-8B values at k = 6; "
+                 f"hollow: fewer than {min_rounds} rounds)", fontsize=10)
     ax.set_xlim(-0.3, last + 1.2)
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8, loc="lower left")
+    axn.axhline(min_rounds, color="black", linestyle="--", linewidth=1, label=f"minimum ({min_rounds})")
+    axn.set_yscale("symlog", linthresh=1)          # log-like, and 0 rounds stays drawable
+    axn.set_ylim(bottom=0)
+    axn.set_ylabel("rounds reaching k")
+    axn.set_xlabel("draft step k")
+    axn.set_xticks(range(last + 1))
+    axn.legend(fontsize=8, loc="upper right")
     _save(fig, path)
 
 
@@ -70,6 +85,10 @@ def depth(variants: list[Variant], path) -> None:
     mats = [r["kv"][d].stepwise["mat"] for d in ds]
     ax.errorbar(ds, mats, yerr=_err(mats, [r["kv"][d].stepwise["mat_ci"] for d in ds]), marker="o", capsize=3,
                 label="KV-only (this run)")
+    few = [d for d in ds if not r["kv"][d].stepwise["mat_sufficient"]]
+    if few:
+        ax.scatter(few, [r["kv"][d].stepwise["mat"] for d in few], s=120, facecolors="white", edgecolors="red",
+                   zorder=4, label="fewer rounds than the minimum")
     for key, style in (("eagle3", "--"), ("hybrid", ":")):
         v = r[key]
         if v:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..io import read_json
+from ..metrics import DEFAULT_MIN_ROUNDS
 
 # The paper's Qwen3-8B numbers (shared/PAPER.md), for side-by-side tables and figure marks.
 PAPER = {
@@ -32,6 +33,10 @@ class Variant:
         return f"{self.name} ({kind}, {self.layers} layer{'s' if self.layers > 1 else ''})"
 
 
+NUMERIC_STEPWISE = ("alpha", "alpha_observed", "acc", "alpha_ci", "alpha_jeffreys_ci", "cumulative", "cumulative_ci",
+                    "mat", "mat_ci", "retention", "retention_observed", "retention_ci")
+
+
 def _nan(obj):
     """JSON null (an undefined metric) back to NaN, so arithmetic and plots stay simple."""
     if obj is None:
@@ -41,14 +46,40 @@ def _nan(obj):
     return obj
 
 
+def stepwise_view(sw: dict, path: str = "stepwise.json") -> dict:
+    """A stepwise.json record with undefined numbers as NaN and the minimum-rounds rule applied
+    from its own counts (`min_rounds`, default DEFAULT_MIN_ROUNDS)."""
+    sw = dict(sw)
+    for key in ("alpha", "alpha_ci", "rounds", "mat", "mat_ci", "retention", "retention_ci"):
+        if key not in sw:
+            raise ValueError(f"{path}: {key}: missing")
+    for key in NUMERIC_STEPWISE:
+        if key in sw:
+            sw[key] = _nan(sw[key])
+    # files written before the per-step counts and the minimum-rounds rule: what they lack reads undefined
+    steps, unknown = len(sw["rounds"]), float("nan")
+    sw.setdefault("min_rounds", DEFAULT_MIN_ROUNDS)
+    sw.setdefault("steps", steps)
+    sw.setdefault("alpha_observed", sw["alpha"])
+    sw.setdefault("retention_observed", sw["retention"])
+    sw.setdefault("accepted", [None] * steps)
+    sw.setdefault("alpha_undefined_resamples", [None] * steps)
+    for key in ("alpha_jeffreys_ci", "cumulative_ci"):
+        sw.setdefault(key, [[unknown, unknown]] * steps)
+    sw.setdefault("cumulative", [unknown] * steps)
+    enough = [n >= sw["min_rounds"] for n in sw["rounds"]]
+    sw["alpha_sufficient"], sw["mat_sufficient"] = enough, enough[0]
+    sw["retention_sufficient"] = enough[0] and enough[-1]
+    return sw
+
+
 def load_variants(results: str | Path, names: list[str], with_e2e: bool = True,
                   with_train: bool = True) -> list[Variant]:
     results = Path(results)
     out = []
     for name in names:
-        sw = read_json(results / "eval" / name / "stepwise.json")
-        for key in ("alpha", "acc", "alpha_ci", "mat", "mat_ci", "retention", "retention_ci"):
-            sw[key] = _nan(sw[key])
+        path = results / "eval" / name / "stepwise.json"
+        sw = stepwise_view(read_json(path), str(path))
         folder = results / "drafters" / name
         e2e_path = results / "eval" / name / "e2e.json"
         out.append(Variant(name=name, paradigm=sw["paradigm"], layers=sw["layers"], stepwise=sw,
@@ -71,3 +102,28 @@ def roles(variants: list[Variant]) -> dict:
     kv = {v.layers: v for v in sorted(paper, key=lambda v: v.layers) if v.paradigm == "kv"}
     hybrid = next((v for v in paper if v.paradigm == "hybrid"), None)
     return {"eagle3": ref, "kv": kv, "hybrid": hybrid, "paper": paper}
+
+
+def seed_runs(variants: list[Variant]) -> list[list[Variant]]:
+    """One list of variants per training seed, from the optional `per_seed` lists of
+    stepwise.json / e2e.json / metrics.json (each entry a record in that file's own schema,
+    plus `train_log` in metrics.json's). Empty when any variant carries no per-seed results."""
+    counts = {len(v.stepwise.get("per_seed") or []) for v in variants}
+    if not variants or len(counts) != 1 or 0 in counts:
+        return []
+
+    def nth(record: dict | None, i: int) -> dict | None:
+        seeds = (record or {}).get("per_seed") or []
+        return seeds[i] if i < len(seeds) else None
+
+    runs = []
+    for i in range(counts.pop()):
+        run = []
+        for v in variants:
+            train = nth(v.train, i) or {}
+            e2e = nth(v.e2e, i)
+            sw = stepwise_view({"min_rounds": v.stepwise["min_rounds"]} | v.stepwise["per_seed"][i])
+            run.append(Variant(name=v.name, paradigm=v.paradigm, layers=v.layers, stepwise=sw, train=train,
+                               log=train.get("train_log", []), e2e=e2e))
+        runs.append(run)
+    return runs

@@ -9,30 +9,63 @@ from ..io import atomic_dir, write_text
 from .results import PAPER, Variant, roles
 
 
+INSUFFICIENT = "insufficient data"
+
+
 def _num(x, digits=3):
     return "" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
+def _ci(pair) -> str:
+    return f"[{_num(pair[0])}, {_num(pair[1])}]"
+
+
+def _rate(value: float, enough: bool):
+    """A rate, or the minimum-rounds rule's verdict on it."""
+    return value if enough else INSUFFICIENT
+
+
 def stepwise_rows(variants: list[Variant]) -> list[dict]:
+    """One row per variant: alpha_k with the rounds n_k it rests on, for every step."""
     rows = []
     for v in variants:
         sw = v.stepwise
         row = {"variant": v.name, "paradigm": v.paradigm, "layers": v.layers}
-        row |= {f"alpha_{k}": a for k, a in enumerate(sw["alpha"])}
-        row |= {"MAT": sw["mat"], "MAT 95% CI": f"[{_num(sw['mat_ci'][0])}, {_num(sw['mat_ci'][1])}]",
-                "retention": sw["retention"], "rounds": sw["rounds"][0]}
+        for k, (a, n) in enumerate(zip(sw["alpha_observed"], sw["rounds"])):
+            row |= {f"alpha_{k}": _rate(a, sw["alpha_sufficient"][k]), f"n_{k}": n}
+        row |= {"MAT": _rate(sw["mat"], sw["mat_sufficient"]), "MAT 95% CI": _ci(sw["mat_ci"]),
+                "retention": _rate(sw["retention_observed"], sw["retention_sufficient"]),
+                "min rounds": sw["min_rounds"]}
         rows.append(row)
+    return rows
+
+
+def step_rows(variants: list[Variant]) -> list[dict]:
+    """One row per variant and step: counts, alpha_k and the cumulative acceptance with their
+    intervals, and the bootstrap resamples in which the step was undefined."""
+    rows = []
+    for v in variants:
+        sw = v.stepwise
+        for k, n in enumerate(sw["rounds"]):
+            rows.append({"variant": v.name, "k": k, "rounds": n, "accepted": sw["accepted"][k],
+                         "alpha_k": _rate(sw["alpha_observed"][k], sw["alpha_sufficient"][k]),
+                         "alpha_k 95% CI": _ci(sw["alpha_ci"][k]), "Jeffreys CI (pooled)": _ci(sw["alpha_jeffreys_ci"][k]),
+                         "undefined resamples": sw["alpha_undefined_resamples"][k],
+                         "cumulative": _rate(sw["cumulative"][k], sw["mat_sufficient"]),
+                         "cumulative 95% CI": _ci(sw["cumulative_ci"][k])})
     return rows
 
 
 def depth_rows(variants: list[Variant]) -> list[dict]:
     r = roles(variants)
-    rows = [{"drafter": v.name, "paradigm": "KV-only", "layers": d, "MAT": v.stepwise["mat"],
-             f"alpha_{v.stepwise['steps'] - 1}": v.stepwise["alpha"][-1]} for d, v in sorted(r["kv"].items())]
-    for v in (r["eagle3"], r["hybrid"]):
-        if v:
-            rows.append({"drafter": v.name, "paradigm": v.paradigm, "layers": v.layers, "MAT": v.stepwise["mat"],
-                         f"alpha_{v.stepwise['steps'] - 1}": v.stepwise["alpha"][-1]})
+    def row(v: Variant, paradigm: str) -> dict:
+        sw, last = v.stepwise, v.stepwise["steps"] - 1
+        return {"drafter": v.name, "paradigm": paradigm, "layers": v.layers,
+                "MAT": _rate(sw["mat"], sw["mat_sufficient"]), "n_0": sw["rounds"][0],
+                f"alpha_{last}": _rate(sw["alpha_observed"][-1], sw["alpha_sufficient"][-1]), f"n_{last}": sw["rounds"][-1]}
+
+    rows = [row(v, "KV-only") for d, v in sorted(r["kv"].items())]
+    rows += [row(v, v.paradigm) for v in (r["eagle3"], r["hybrid"]) if v]
     return rows
 
 
@@ -44,7 +77,9 @@ def e2e_rows(variants: list[Variant]) -> list[dict]:
             continue
         for mode, m in v.e2e["modes"].items():
             base = ref.e2e["modes"][mode]["draft_seconds_per_round"] if ref and ref.e2e else None
-            rows.append({"variant": v.name, "mode": mode, "tau": m["tau"], "tokens/s": m["tokens_per_s"],
+            rows.append({"variant": v.name, "mode": mode, "tau": m["tau"], "rounds": m.get("rounds"),
+                         "step-wise MAT": v.stepwise["mat"], "tau - MAT": m["tau"] - v.stepwise["mat"],
+                         "tokens/s": m["tokens_per_s"],
                          "speedup": m["speedup"], "draft ms/round": 1e3 * m["draft_seconds_per_round"],
                          "verify ms/round": 1e3 * m["verify_seconds_per_round"],
                          "draft overhead vs EAGLE-3": (m["draft_seconds_per_round"] / base - 1) if base else None,
@@ -65,8 +100,10 @@ def paper_rows(variants: list[Variant]) -> list[dict]:
             v = role_of.get(who) or by_name.get(who)
             ours = None
             if v is not None:
-                ours = {"alpha_6": v.stepwise["alpha"][-1], "mat": v.stepwise["mat"],
-                        "retention": v.stepwise["retention"],
+                sw = v.stepwise
+                ours = {"alpha_6": _rate(sw["alpha_observed"][-1], sw["alpha_sufficient"][-1]),
+                        "mat": _rate(sw["mat"], sw["mat_sufficient"]),
+                        "retention": _rate(sw["retention_observed"], sw["retention_sufficient"]),
                         "tau": v.e2e["modes"]["chain"]["tau"] if v.e2e else None}[metric]
             rows.append({"metric": metric, "drafter": who, "paper (Qwen3-8B)": paper, "this run": ours})
     return rows
@@ -99,7 +136,7 @@ def _latex(rows: list[dict]) -> str:
     return "\n".join(lines + [r"\bottomrule", r"\end{tabular}"]) + "\n"
 
 
-TABLES = {"stepwise": stepwise_rows, "depth": depth_rows, "e2e": e2e_rows, "paper": paper_rows}
+TABLES = {"stepwise": stepwise_rows, "steps": step_rows, "depth": depth_rows, "e2e": e2e_rows, "paper": paper_rows}
 
 
 def write_tables(variants: list[Variant], out_dir: str | Path) -> dict[str, list[dict]]:

@@ -1,0 +1,264 @@
+"""Every claim test driven to each of its verdicts by result files written in the real schema:
+stepwise.json from per-sequence chain counts through the same `chain_summary` the evaluation
+uses, e2e.json as `e2e.summarize` writes it, and the drafters' train_log.json / metrics.json."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvshot.io import write_json
+from kvshot.metrics import chain_summary
+from kvshot.report.claims import (INCONCLUSIVE, MISSING, NOT_REPRODUCED, OVERHEAD_BAND, REPRODUCED, Estimate,
+                                  evaluate_claims, greater)
+from kvshot.report.results import PAPER, load_variants
+
+NAMES = ["eagle3", "kv-d1", "kv-d2", "kv-d4", "hybrid", "standalone"]
+SPEC = {"eagle3": ("hidden", 1), "kv-d1": ("kv", 1), "kv-d2": ("kv", 2), "kv-d4": ("kv", 4), "hybrid": ("hybrid", 1),
+        "standalone": ("standalone", 2)}
+# alpha_0..6 shaped like the paper's story: hidden wins early, KV decays less, hybrid on top
+ALPHAS = {
+    "eagle3": [0.80, 0.72, 0.65, 0.60, 0.55, 0.50, 0.47],
+    "kv-d1": [0.50, 0.45, 0.42, 0.40, 0.38, 0.36, 0.35],
+    "kv-d2": [0.60, 0.55, 0.52, 0.50, 0.49, 0.48, 0.47],
+    "kv-d4": [0.62, 0.58, 0.56, 0.54, 0.53, 0.52, 0.51],
+    "hybrid": [0.85, 0.78, 0.72, 0.68, 0.66, 0.65, 0.64],
+    "standalone": [0.95, 0.94, 0.93, 0.92, 0.91, 0.90, 0.89],   # a baseline above everything: in no claim
+}
+MIN_ROUNDS = 30
+E2E = "marginal E2E gain, 5-10% drafting overhead"
+
+
+def chain_counts_for(alphas: list[float], rounds: int, sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence reached/accepted counts [S, K] whose pooled alpha_k is alphas[k] (rounded)."""
+    reached, accepted, n = [], [], rounds
+    for a in alphas:
+        reached.append(n)
+        n = round(n * a)
+        accepted.append(n)
+    return torch.tensor([reached] * sequences), torch.tensor([accepted] * sequences)
+
+
+def stepwise_record(alphas: list[float], paradigm: str, layers: int, rounds: int = 200_000, seed: int = 0) -> dict:
+    """stepwise.json for `rounds` drafting rounds spread over up to 20 prompts (100 rounds each at least)."""
+    sequences = max(1, min(20, rounds // 100))
+    reached, accepted = chain_counts_for(alphas, rounds // sequences, sequences)
+    return {"acc": alphas, "sequences": sequences, "steps": len(alphas), "paradigm": paradigm, "layers": layers,
+            **chain_summary(reached, accepted, samples=200, seed=seed, min_rounds=MIN_ROUNDS)}
+
+
+def train_log(paradigm: str, gate_final: float, own_key_mass: float | None, grad_ratio: float) -> list[dict]:
+    log = []
+    for step in range(0, 20, 5):
+        rec = {"step": step, "loss": 1.0, "grad_norm": {"body": 1.0, "lm_head": 1.0}, "kv_key_share": None}
+        if paradigm in ("kv", "hybrid"):
+            rec["grad_norm"] |= {"kv_wk_wv": grad_ratio, "kv_query_out": 1.0}
+            rec["kv_key_share"] = 0.05            # the length formula: always "sparse", decides nothing
+            if own_key_mass is not None:
+                rec["kv_own_key_mass"] = own_key_mass
+        if paradigm == "hybrid":
+            g = 0.5 + (gate_final - 0.5) * step / 15
+            rec["gate"] = {"mean": g, "min": g, "max": g}
+        log.append(rec)
+    return log
+
+
+def e2e_record(tau: float, draft_s: float, rounds: int) -> dict:
+    mode = {"tau": tau, "tokens_per_s": 100 * tau, "speedup": tau / 2, "draft_seconds_per_round": draft_s,
+            "verify_seconds_per_round": 0.02, "rounds": rounds, "tokens": int(rounds * tau),
+            "accepted_per_round": tau - 1, "lossless": True}
+    return {"modes": {"chain": mode, "tree": mode}, "baseline": {"tokens_per_s": 200}}
+
+
+def write_results(root: Path, alphas: dict = ALPHAS, rounds: dict | None = None, gate_final: float = 0.05,
+                  tau: tuple = (3.0, 3.05), draft_s: tuple = (0.010, 0.0108), e2e_rounds: int = 400,
+                  own_key_mass: float | None = 0.05, grad_ratio: float = 0.05, seeds: list[dict] | None = None) -> Path:
+    """One study's result files. seeds: per-seed overrides of the keyword arguments (each seed's
+    records go into the `per_seed` lists of the same files)."""
+    seeds = seeds or []
+    for name in NAMES:
+        paradigm, layers = SPEC[name]
+        is_h = name == "hybrid"
+
+        def records(alphas=alphas, rounds=rounds, gate_final=gate_final, tau=tau, draft_s=draft_s,
+                    e2e_rounds=e2e_rounds, own_key_mass=own_key_mass, grad_ratio=grad_ratio, seed=0):
+            sw = stepwise_record(alphas[name], paradigm, layers, rounds=(rounds or {}).get(name, 200_000), seed=seed)
+            e2e = e2e_record(tau[is_h], draft_s[is_h], e2e_rounds)
+            return sw, e2e, train_log(paradigm, gate_final, own_key_mass, grad_ratio)
+
+        sw, e2e, log = records()
+        per_seed = [records(**(s | {"seed": i + 1})) for i, s in enumerate(seeds)]
+        metrics = {"eval": {"query_cosine": [0.3] * 7 if paradigm in ("kv", "hybrid") else None}}
+        if per_seed:
+            sw["per_seed"] = [s for s, _, _ in per_seed]
+            e2e["per_seed"] = [e for _, e, _ in per_seed]
+            metrics["per_seed"] = [{"train_log": lg} for _, _, lg in per_seed]
+        write_json(root / "eval" / name / "stepwise.json", sw)
+        write_json(root / "eval" / name / "e2e.json", e2e)
+        write_json(root / "drafters" / name / "train_log.json", log)
+        write_json(root / "drafters" / name / "metrics.json", metrics)
+    return root
+
+
+def verdicts(root: Path) -> dict:
+    return {c["claim"]: c["verdict"] for c in evaluate_claims(load_variants(root, NAMES))}
+
+
+def claims(root: Path) -> dict:
+    return {c["claim"]: c for c in evaluate_claims(load_variants(root, NAMES))}
+
+
+def changed(**steps) -> dict:
+    """ALPHAS with some variants' alpha lists replaced (or edited by index: {"kv-d4": {6: 0.4}})."""
+    out = {k: list(v) for k, v in ALPHAS.items()}
+    for name, new in steps.items():
+        if isinstance(new, dict):
+            for k, a in new.items():
+                out[name][k] = a
+        else:
+            out[name] = list(new)
+    return out
+
+
+def test_paper_numbers_live_in_results():
+    from kvshot.report import claims as claims_module
+
+    assert OVERHEAD_BAND == PAPER["draft_overhead"] == (0.05, 0.10)
+    source = Path(claims_module.__file__).read_text()
+    for literal in ("0.495", "0.469", "1.84", "2.23", "2.37", "2.54", "73.5", "77.3", "5.01", "5.04"):
+        assert literal not in source, literal
+
+
+def test_paper_shaped_results_reproduce_every_claim(tmp_path):
+    assert set(verdicts(write_results(tmp_path)).values()) == {REPRODUCED}
+
+
+@pytest.mark.parametrize("alphas,verdict", [
+    (changed(**{"kv-d4": {6: 0.40}}), NOT_REPRODUCED),                  # KV-only decays worse than EAGLE-3
+    (changed(**{"kv-d4": {6: 0.475}}), INCONCLUSIVE),                   # intervals overlap
+])
+def test_p1_long_range_advantage(tmp_path, alphas, verdict):
+    assert verdicts(write_results(tmp_path, alphas=alphas))["P1 long-range advantage"] == verdict
+
+
+def test_p1_on_too_few_rounds_is_inconclusive_and_says_why(tmp_path):
+    # 400 rounds: eagle3 reaches step 6 in ~25 rounds, below the minimum of 30, yet the gap is large
+    alphas = changed(**{"kv-d4": {6: 0.95}, "eagle3": {6: 0.05}})
+    c = claims(write_results(tmp_path, alphas=alphas, rounds={"eagle3": 400}))["P1 long-range advantage"]
+    assert c["verdict"] == INCONCLUSIVE
+    assert "insufficient data" in c["numbers"]["eagle3"] and "alpha_6 of eagle3" in c["note"]
+    # the same gap on enough rounds decides
+    assert verdicts(write_results(tmp_path, alphas=alphas))["P1 long-range advantage"] == REPRODUCED
+
+
+@pytest.mark.parametrize("alphas,verdict", [
+    (changed(eagle3=[0.40] * 7), NOT_REPRODUCED),                       # EAGLE-3 below every KV-only depth
+    (changed(**{"kv-d2": ALPHAS["kv-d1"]}), INCONCLUSIVE),              # depth stops helping: equal MATs
+])
+def test_p2_depth_bottleneck(tmp_path, alphas, verdict):
+    assert verdicts(write_results(tmp_path, alphas=alphas))["P2 depth bottleneck"] == verdict
+
+
+@pytest.mark.parametrize("alphas,verdict", [
+    (changed(**{"kv-d1": {0: 0.9}}), NOT_REPRODUCED),
+    (changed(**{"kv-d1": {1: 0.72}}), INCONCLUSIVE),
+])
+def test_p3_short_range_disadvantage(tmp_path, alphas, verdict):
+    assert verdicts(write_results(tmp_path, alphas=alphas))["P3 short-range disadvantage"] == verdict
+
+
+@pytest.mark.parametrize("alphas,verdict", [
+    (changed(hybrid=[0.5] * 7), NOT_REPRODUCED),
+    (changed(hybrid=ALPHAS["eagle3"]), INCONCLUSIVE),
+])
+def test_hybrid_best_stepwise(tmp_path, alphas, verdict):
+    assert verdicts(write_results(tmp_path, alphas=alphas))["hybrid best step-wise"] == verdict
+
+
+@pytest.mark.parametrize("alphas,verdict", [
+    (changed(hybrid={6: 0.30}), NOT_REPRODUCED),                        # retention 0.35 < eagle3's 0.59
+    (changed(hybrid={6: 0.85 * 0.47 / 0.80}), INCONCLUSIVE),            # the same retention as eagle3
+])
+def test_retention_gain(tmp_path, alphas, verdict):
+    assert verdicts(write_results(tmp_path, alphas=alphas))["long-range retention gain"] == verdict
+
+
+@pytest.mark.parametrize("kwargs,verdict", [
+    ({"draft_s": (0.010, 0.0108)}, REPRODUCED),                         # +8% overhead, +1.7% tau
+    ({"draft_s": (0.010, 0.01005)}, NOT_REPRODUCED),                    # +0.5%: positive, but outside the band
+    ({"draft_s": (0.010, 0.013)}, NOT_REPRODUCED),                      # +30%
+    ({"tau": (3.0, 3.6)}, NOT_REPRODUCED),                              # +20% tau: not marginal
+    ({"e2e_rounds": 12}, INCONCLUSIVE),                                 # too few decoding rounds
+])
+def test_e2e_overhead_against_the_papers_band(tmp_path, kwargs, verdict):
+    assert verdicts(write_results(tmp_path, **kwargs))[E2E] == verdict
+
+
+@pytest.mark.parametrize("gate_final,verdict", [(0.05, REPRODUCED), (0.6, NOT_REPRODUCED), (0.4, INCONCLUSIVE)])
+def test_gate_collapse(tmp_path, gate_final, verdict):
+    assert verdicts(write_results(tmp_path, gate_final=gate_final))["gate collapse"] == verdict
+
+
+@pytest.mark.parametrize("mass,ratio,verdict", [
+    (0.05, 0.05, REPRODUCED),
+    (0.5, 1.0, NOT_REPRODUCED),
+    (0.5, 0.05, INCONCLUSIVE),                                          # sparse by one measure only
+])
+def test_sparse_gradient_from_the_measured_mass(tmp_path, mass, ratio, verdict):
+    assert verdicts(write_results(tmp_path, own_key_mass=mass, grad_ratio=ratio))["sparse KV-path gradient"] == verdict
+
+
+def test_sparse_gradient_from_the_length_formula_alone_is_inconclusive(tmp_path):
+    c = claims(write_results(tmp_path, own_key_mass=None))["sparse KV-path gradient"]
+    assert c["verdict"] == INCONCLUSIVE and "measured attention mass" in c["note"]
+    assert "length formula" in next(iter(c["numbers"]))
+
+
+def test_missing_inputs_read_not_measured(tmp_path):
+    write_results(tmp_path)
+    variants = [v for v in load_variants(tmp_path, NAMES) if v.paradigm != "hybrid"]
+    for v in variants:
+        v.e2e = None
+    got = {c["claim"]: c["verdict"] for c in evaluate_claims(variants)}
+    assert got[E2E] == got["gate collapse"] == MISSING
+
+
+# ---------------------------------------------------------------- per-seed results
+
+def test_every_seed_agreeing_keeps_the_verdict(tmp_path):
+    seeds = [{}, {}]
+    got = claims(write_results(tmp_path, seeds=seeds))
+    assert {c["verdict"] for c in got.values()} == {REPRODUCED} and all(c["seeds"] == 2 for c in got.values())
+
+
+def test_one_seed_in_the_other_direction_makes_it_inconclusive(tmp_path):
+    # pooled: kv-d4 clearly ahead at step 6; seed 2: behind
+    seeds = [{}, {"alphas": changed(**{"kv-d4": {6: 0.40}})}]
+    got = verdicts(write_results(tmp_path, seeds=seeds))
+    assert got["P1 long-range advantage"] == INCONCLUSIVE
+    assert got["P3 short-range disadvantage"] == REPRODUCED
+
+
+def test_a_reversed_claim_needs_every_seed_reversed(tmp_path):
+    pooled = changed(**{"kv-d4": {6: 0.40}})
+    root = write_results(tmp_path, alphas=pooled, seeds=[{"alphas": pooled}, {"alphas": pooled}])
+    assert verdicts(root)["P1 long-range advantage"] == NOT_REPRODUCED
+    root = write_results(tmp_path, alphas=pooled, seeds=[{"alphas": pooled}, {"alphas": ALPHAS}])
+    assert verdicts(root)["P1 long-range advantage"] == INCONCLUSIVE
+
+
+def test_diagnostics_need_every_seed_to_agree(tmp_path):
+    got = claims(write_results(tmp_path, seeds=[{}, {"gate_final": 0.6, "draft_s": (0.010, 0.013)}]))
+    assert got["gate collapse"]["verdict"] == INCONCLUSIVE and "per-seed" in got["gate collapse"]["note"]
+    assert got[E2E]["verdict"] == INCONCLUSIVE
+
+
+def test_greater_rules():
+    est = lambda v, lo, hi, n=100: Estimate("x", v, (lo, hi), n, MIN_ROUNDS)   # noqa: E731
+    assert greater(est(0.6, 0.55, 0.65), est(0.4, 0.35, 0.45)) == REPRODUCED
+    assert greater(est(0.4, 0.35, 0.45), est(0.6, 0.55, 0.65)) == NOT_REPRODUCED
+    assert greater(est(0.6, 0.55, 0.65), est(0.4, 0.35, 0.45, n=10)) == INCONCLUSIVE
+    assert greater(est(0.6, 0.55, 0.65), est(0.4, 0.35, 0.45), [(0.6, 0.4), (0.3, 0.5)]) == INCONCLUSIVE
+    assert greater(est(0.6, 0.55, 0.65), est(0.4, 0.35, 0.45), [(0.6, 0.4), (0.7, 0.5)]) == REPRODUCED
+    assert greater(est(float("nan"), 0.1, 0.9), est(0.4, 0.35, 0.45)) == INCONCLUSIVE
