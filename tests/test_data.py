@@ -488,3 +488,115 @@ def test_read_jsonl_errors(tmp_path):
         read_jsonl(path)
     with pytest.raises(DataError, match="cannot open"):
         read_jsonl(tmp_path / "nope.jsonl")
+
+
+# ---------------------------------------------------------------- streaming split, revisions, offline hub
+
+def test_prepare_data_streams_the_reference_split(tmp_path, monkeypatch):
+    import functools
+
+    from kvshot.ranked_writer import RankedWriter
+
+    records = [sg(i, ("human", f"q{i} \u4e2d"), ("gpt", "a" * (i % 5) + "\n\tb")) for i in range(57)]
+    sources = [{"kind": "sharegpt_file", "path": str(write_array(tmp_path / "a.json", records[:40]))},
+               {"kind": "sharegpt_file", "path": str(write_array(tmp_path / "b.json", records[40:]))}]
+    # many small buckets: order across and inside buckets both matter
+    monkeypatch.setattr(data, "RankedWriter", functools.partial(RankedWriter, bucket_size=3))
+    stats = prepare_data(sources, 30, 7, 11, tmp_path / "out", min_assistant_chars=4)
+    items = [{"id": f"{i}:{k}", "messages": m} for i, k, m in data.iter_sources(sources, [])]
+    usable = [it for it in items if sum(len(m["content"].strip()) for m in it["messages"][1:]) >= 4]
+    train, evals = split_conversations(usable, 30, 7, seed=11)
+    assert read_jsonl(tmp_path / "out/train.jsonl") == train and read_jsonl(tmp_path / "out/eval.jsonl") == evals
+    assert stats["available"] == len(usable) and stats["too_short"] == 57 - len(usable)
+    assert (stats["train"], stats["eval"]) == (30, 7) and sorted(os.listdir(tmp_path / "out")) == [
+        "eval.jsonl", "stats.json", "train.jsonl"]
+    # nested: a smaller train split is a prefix of a larger one, and eval does not move
+    prepare_data(sources, 10, 7, 11, tmp_path / "small", min_assistant_chars=4)
+    assert read_jsonl(tmp_path / "small/train.jsonl") == train[:10]
+    assert read_jsonl(tmp_path / "small/eval.jsonl") == evals
+
+
+def test_ranked_writer_orders_and_is_all_or_nothing(tmp_path):
+    from kvshot.ranked_writer import RankedWriter
+
+    w = RankedWriter(tmp_path / "x.jsonl", 10, bucket_size=4)
+    for r in (7, 3, 9, 0, 5, 1, 8, 2, 6, 4):
+        w.add(r, json.dumps({"r": r, "s": "\u2028\x85"}, ensure_ascii=False) + "\n")   # not line ends in JSONL
+    w.close()
+    lines = (tmp_path / "x.jsonl").read_text(encoding="utf-8").split("\n")
+    assert [json.loads(line)["r"] for line in lines[:-1]] == list(range(10)) and lines[-1] == ""
+    w = RankedWriter(tmp_path / "y.jsonl", 3, bucket_size=1)
+    w.add(0, "{}\n")
+    with pytest.raises(ValueError, match="rank 3"):
+        w.add(3, "{}\n")
+    with pytest.raises(ValueError, match="1 lines added, 3 expected"):
+        w.close()
+    assert os.listdir(tmp_path) == ["x.jsonl"]
+
+
+def test_hub_revision_is_passed(monkeypatch):
+    import datasets
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset",
+                        lambda *a, **kw: calls.append((a, kw)) or datasets.Dataset.from_list(ultrachat_rows()))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    list(data.iter_sources([{"kind": "hub", "name": "o/n", "split": "s", "schema": "ultrachat",
+                             "revision": "abc123"}], []))
+    assert calls == [(("o/n",), {"split": "s", "revision": "abc123"})]
+
+
+HUB_SCRIPT = """
+import json, sys
+import datasets
+from kvshot.data import DataError, LoadStats, iter_hub_dataset
+name, split, files, revision = json.loads(sys.argv[1])
+try:
+    datasets.load_dataset(name, split=split, data_files=files)
+    print("datasets: loaded")
+except Exception as e:
+    print("datasets:", type(e).__name__)
+try:
+    convs = list(iter_hub_dataset(name, split, "ultrachat" if files is None else "sharegpt", LoadStats(name),
+                                  data_files=files, revision=revision))
+    print("kvshot:", json.dumps(convs))
+except DataError as e:
+    print("kvshot error:", e)
+"""
+
+
+def test_hub_dataset_offline_from_the_hf_cache(tmp_path):
+    import subprocess
+    import sys
+
+    commit, old = "0123456789abcdef0123456789abcdef01234567", "fedcba9876543210fedcba9876543210fedcba98"
+    repo = tmp_path / "hub" / "datasets--Owner--Name"
+    for rev, answer in ((commit, "new"), (old, "old")):
+        snap = repo / "snapshots" / rev
+        (snap / "data").mkdir(parents=True)
+        write_array(snap / "sharegpt.json", [sg(0, ("human", "q"), ("gpt", answer))])
+        (snap / "data" / "train_sft-00000-of-00001.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in ultrachat_rows()))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "datasets"), "HF_HOME": str(tmp_path / "home"),
+           "PYTHONPATH": str(Path(data.__file__).parents[1])}
+
+    def load(*args) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", HUB_SCRIPT, json.dumps(args)], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip().splitlines()
+
+    plain, ours = load("Owner/Name", "train", "sharegpt.json", None)
+    assert plain == "datasets: ConnectionError"          # what datasets alone does offline
+    assert json.loads(ours.removeprefix("kvshot: ")) == [[{"role": "user", "content": "q"},
+                                                          {"role": "assistant", "content": "new"}]]
+    ours = load("Owner/Name", "train", "sharegpt.json", old)[1]
+    assert json.loads(ours.removeprefix("kvshot: "))[0][1]["content"] == "old"
+    ours = load("Owner/Name", "train_sft", None, None)[1]    # the split found by file name
+    assert len(json.loads(ours.removeprefix("kvshot: "))) == 2
+    ours = load("Owner/Missing", "train", "sharegpt.json", None)[1]
+    assert ours.startswith("kvshot error: dataset Owner/Missing (sharegpt.json): load failed (offline:")

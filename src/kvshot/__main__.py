@@ -19,6 +19,12 @@ def _cmd_prepare_data(args, cfg) -> dict:
     return prepare_data(d["sources"], n_train, d["eval_samples"], cfg["seed"], args.out)
 
 
+def _cmd_regenerate_data(args, cfg) -> dict:
+    from .regenerate import run_regenerate_stage
+
+    return run_regenerate_stage(cfg, runtime(cfg), args.train, args.target, args.out)
+
+
 def _cmd_train_tokenizer(args, cfg) -> dict:
     from .tokenizer import build_tokenizer
 
@@ -92,6 +98,7 @@ def _cmd_readme(args, cfg) -> dict:
 
 STAGES = {
     "prepare-data": (_cmd_prepare_data, ("data",)),
+    "regenerate-data": (_cmd_regenerate_data, ("data", "target")),
     "train-tokenizer": (_cmd_train_tokenizer, ("tokenizer",)),
     "target": (_cmd_target, ("data", "target")),
     "capture-features": (_cmd_capture_features, ("data", "target", "features")),
@@ -115,6 +122,7 @@ def parser() -> argparse.ArgumentParser:
     # the path arguments each stage takes (all required)
     paths = {
         "prepare-data": ("out",),
+        "regenerate-data": ("train", "target", "out"),
         "train-tokenizer": ("train", "out"),
         "target": ("train", "eval", "tokenizer", "out", "metrics"),
         "capture-features": ("split", "target", "out"),

@@ -1,4 +1,5 @@
-"""Conversation data: loading ShareGPT / UltraChat, splitting, ChatML rendering, tokenization.
+"""Conversation data: loading ShareGPT / UltraChat (streamed), splitting, the split files.
+Chat rendering and tokenization live in `chat` (re-exported here).
 
 Every loader funnels records through `normalize_record`, so the local ShareGPT file and the
 hub datasets produce the same message lists and the same skip accounting.
@@ -11,14 +12,15 @@ import os
 import random
 import re
 import sys
-import tempfile
+from array import array
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from .chat import (CHAT_TEMPLATE, IM_END, IM_START, encode_prompt, render_chat,  # noqa: F401 (re-exported)
                    render_conversation, tokenize_conversation)
+from .ranked_writer import RankedWriter, atomic_write
 
 ROLES = ("system", "user", "assistant")
 
@@ -251,27 +253,47 @@ def sharegpt_package_path() -> Path:
     return path
 
 
-def iter_hub_dataset(name: str, split: str, schema: str, stats: LoadStats,
-                     data_files: str | list[str] | None = None,
-                     max_records: int | None = None) -> Iterator[list[dict]]:
-    """Yield normalized conversations from a `datasets` dataset (hub name or local files)."""
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or HF_DATASETS_OFFLINE) set, now or when huggingface_hub was imported."""
+    from huggingface_hub import constants
+
+    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("HF_DATASETS_OFFLINE", ""))
+    return bool(constants.HF_HUB_OFFLINE) or any(f.upper() in ("1", "ON", "YES", "TRUE") for f in flags)
+
+
+def _load_hub(name: str, split: str, files: list[str] | None, revision: str | None):
     import datasets
 
+    if files is not None and all(Path(f).exists() for f in files):
+        # local files in the hub dataset's schema (tests, or an offline mirror)
+        builder = "parquet" if all(f.endswith(".parquet") for f in files) else "json"
+        return datasets.load_dataset(builder, data_files=files, split="train")
+    # files inside the hub repo (Aeala's ShareGPT repo mixes JSON files of other schemas)
+    kwargs = ({} if files is None else {"data_files": files}) | ({} if revision is None else {"revision": revision})
+    if not hub_offline():
+        return datasets.load_dataset(name, split=split, **kwargs)
+    # Offline, datasets refuses a hub name (OfflineModeIsEnabled) even when its files are in the
+    # HF cache: load the cached snapshot as a local dataset folder (its README's splits included).
+    from huggingface_hub import snapshot_download
+
+    folder = snapshot_download(name, repo_type="dataset", local_files_only=True, revision=kwargs.pop("revision", None))
+    return datasets.load_dataset(folder, split=split, **kwargs)
+
+
+def iter_hub_dataset(name: str, split: str, schema: str, stats: LoadStats,
+                     data_files: str | list[str] | None = None,
+                     max_records: int | None = None, revision: str | None = None) -> Iterator[list[dict]]:
+    """Yield normalized conversations from a `datasets` dataset (hub name or local files);
+    with HF_HUB_OFFLINE=1, from the HF cache's snapshot of `revision` (default: main)."""
     try:
         files = None if data_files is None else [
             str(f) for f in ([data_files] if isinstance(data_files, (str, Path)) else data_files)]
-        if files is not None and all(Path(f).exists() for f in files):
-            # local files in the hub dataset's schema (tests, or an offline mirror)
-            builder = "parquet" if all(f.endswith(".parquet") for f in files) else "json"
-            ds = datasets.load_dataset(builder, data_files=files, split="train")
-        elif files is not None:
-            # files inside the hub repo (Aeala's ShareGPT repo mixes JSON files of other schemas)
-            ds = datasets.load_dataset(name, data_files=files, split=split)
-        else:
-            ds = datasets.load_dataset(name, split=split)
+        ds = _load_hub(name, split, files, revision)
     except Exception as e:  # network, schema-cast and missing-file errors all look different
         where = f"{name} ({data_files})" if data_files is not None else f"{name} [{split}]"
-        raise DataError(f"dataset {where}: load failed: {type(e).__name__}: {_one_line(e)}") from e
+        where += f" @ {revision}" if revision else ""
+        hint = " (offline: is it in the HF cache, HF_HUB_CACHE / HF_HOME?)" if hub_offline() else ""
+        raise DataError(f"dataset {where}: load failed{hint}: {type(e).__name__}: {_one_line(e)}") from e
     if max_records is not None:
         ds = ds.select(range(min(max_records, len(ds))))
     for record in ds:
@@ -280,11 +302,11 @@ def iter_hub_dataset(name: str, split: str, schema: str, stats: LoadStats,
             yield messages
 
 
-def load_sources(sources: list[dict], stats_out: list) -> list[list[dict]]:
-    """Load every source in order; one LoadStats per source is appended to stats_out."""
+def iter_sources(sources: list[dict], stats_out: list) -> Iterator[tuple[int, int, list[dict]]]:
+    """(source index, index among the source's kept records, messages) for every kept
+    record, source by source; one LoadStats per source is appended to stats_out."""
     from tqdm import tqdm
 
-    convs: list[list[dict]] = []
     for index, src in enumerate(sources):
         kind, cap = src.get("kind"), src.get("max_records")
         if kind == "sharegpt_package":
@@ -298,67 +320,97 @@ def load_sources(sources: list[dict], stats_out: list) -> list[list[dict]]:
             stats = LoadStats(f"hub:{src['name']}")
             it = iter_hub_dataset(src["name"], src.get("split", "train"),
                                   src.get("schema", "sharegpt"), stats,
-                                  data_files=src.get("data_files"), max_records=cap)
+                                  data_files=src.get("data_files"), max_records=cap,
+                                  revision=src.get("revision"))
         else:
             raise DataError(f"source {index}: unknown kind {kind!r}")
         with tqdm(desc=stats.source[:40], unit="rec", file=sys.stderr,
                   mininterval=1.0, leave=False) as bar:
-            for messages in it:
-                convs.append(messages)
+            for k, messages in enumerate(it):
+                yield index, k, messages
                 bar.update(stats.read - bar.n)
             bar.update(stats.read - bar.n)
         stats_out.append(stats)
-    return convs
+
+
+def load_sources(sources: list[dict], stats_out: list) -> list[list[dict]]:
+    """Every kept conversation of every source, in order (in memory: for small inputs)."""
+    return [messages for _, _, messages in iter_sources(sources, stats_out)]
+
+
+def _split_sizes(available: int, train_samples: int, eval_samples: int) -> tuple[int, int]:
+    # A short supply shrinks train instead of failing: small smoke configs still run.
+    n_eval = min(eval_samples, available)
+    n_train = min(train_samples, available - n_eval)
+    if not n_eval or not n_train:
+        raise DataError(f"split: {available} conversations give {n_train} train / "
+                        f"{n_eval} eval (asked {train_samples} / {eval_samples})")
+    return n_train, n_eval
+
+
+def split_order(n: int, seed: int) -> list[int]:
+    """The seeded permutation of n records: eval takes its first eval_samples, train the next."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return order
 
 
 def split_conversations(convs: list, train_samples: int, eval_samples: int,
                         seed: int) -> tuple[list, list]:
-    """Return (train, eval): a seeded permutation, eval drawn first, train from the rest."""
-    order = list(range(len(convs)))
-    random.Random(seed).shuffle(order)
-    eval_part = [convs[i] for i in order[:eval_samples]]
-    # A short supply shrinks train instead of failing: small smoke configs still run.
-    train_part = [convs[i] for i in order[eval_samples:eval_samples + train_samples]]
-    if not eval_part or not train_part:
-        raise DataError(f"split: {len(convs)} conversations give {len(train_part)} train / "
-                        f"{len(eval_part)} eval (asked {train_samples} / {eval_samples})")
-    return train_part, eval_part
-
-
-def _atomic_write(path: Path, lines: Iterator[str] | list[str]) -> None:
-    # Temp file in the same directory + os.replace: a killed job never leaves a partial file.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.writelines(lines)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Return (train, eval) in memory: the reference for prepare_data's streaming split."""
+    n_train, n_eval = _split_sizes(len(convs), train_samples, eval_samples)
+    order = split_order(len(convs), seed)
+    return [convs[i] for i in order[n_eval:n_eval + n_train]], [convs[i] for i in order[:n_eval]]
 
 
 def prepare_data(sources: list[dict], train_samples: int, eval_samples: int, seed: int,
                  out_dir: str | Path, min_assistant_chars: int = 1) -> dict:
-    """Load, filter, split and write train.jsonl / eval.jsonl / stats.json into out_dir."""
+    """Filter, split and write train.jsonl / eval.jsonl / stats.json into out_dir, streaming.
+
+    Pass 1 counts the usable records; the split is `split_conversations`' seeded permutation
+    of that count (ranks: N small ints); pass 2 reads the sources again and hands each record
+    to its split's RankedWriter, which writes the split in permutation order. Memory: the
+    ranks and one bucket of lines, not the conversations."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+
+    def long_enough(messages: list[dict]) -> bool:
+        return sum(len(m["content"].strip()) for m in messages if m["role"] == "assistant") >= min_assistant_chars
+
     stats_list: list[LoadStats] = []
-    items: list[dict] = []
-    for index, src in enumerate(sources):  # per source, so ids can say where a chat came from
-        convs = load_sources([src], stats_list)
-        items.extend({"id": f"{index}:{k}", "messages": m} for k, m in enumerate(convs))
-    long_enough = [it for it in items if sum(len(m["content"].strip()) for m in it["messages"]
-                                             if m["role"] == "assistant") >= min_assistant_chars]
-    train, evals = split_conversations(long_enough, train_samples, eval_samples, seed)
-    stats = {"sources": [s.to_dict() for s in stats_list], "available": len(long_enough),
-             "too_short": len(items) - len(long_enough), "train": len(train), "eval": len(evals),
+    read = available = 0
+    for _, _, messages in iter_sources(sources, stats_list):
+        read += 1
+        available += long_enough(messages)
+    n_train, n_eval = _split_sizes(available, train_samples, eval_samples)
+    rank = array("q", bytes(8 * available))
+    for position, record in enumerate(split_order(available, seed)):
+        rank[record] = position
+    writers = [RankedWriter(out / "eval.jsonl", n_eval), RankedWriter(out / "train.jsonl", n_train)]
+    try:
+        record = 0
+        for index, k, messages in iter_sources(sources, []):
+            if not long_enough(messages):
+                continue
+            if record == available:
+                raise DataError(f"source {index}: more records on the second read than the first ({available})")
+            position, record = rank[record], record + 1
+            if position < n_eval + n_train:
+                split, at = (0, position) if position < n_eval else (1, position - n_eval)
+                writers[split].add(at, json.dumps({"id": f"{index}:{k}", "messages": messages},
+                                                  ensure_ascii=False) + "\n")
+        if record != available:
+            raise DataError(f"sources: {record} records on the second read, {available} on the first")
+        writers[1].close()
+        writers[0].close()
+    finally:
+        for w in writers:
+            w.discard()
+    stats = {"sources": [s.to_dict() for s in stats_list], "available": available,
+             "too_short": read - available, "train": n_train, "eval": n_eval,
              "seed": seed, "requested": {"train": train_samples, "eval": eval_samples,
                                          "min_assistant_chars": min_assistant_chars}}
-    for name, part in (("train.jsonl", train), ("eval.jsonl", evals)):
-        _atomic_write(out / name, [json.dumps(it, ensure_ascii=False) + "\n" for it in part])
-    _atomic_write(out / "stats.json", [json.dumps(stats, indent=2) + "\n"])
+    atomic_write(out / "stats.json", [json.dumps(stats, indent=2) + "\n"])
     return stats
 
 

@@ -1,0 +1,35 @@
+# Optional (data.regenerate): the target rewrites the training answers, as EAGLE-3 and
+# SpecForge train their drafters. Nothing consumes results/data/regenerated/train.jsonl
+# unless the feature rules are pointed at it (see regenerated_train below).
+
+
+def regenerated_train(wildcards=None):
+    """The train split the drafters' features read: the target's own answers when
+    data.regenerate.enabled, the prepared split otherwise."""
+    if config["data"].get("regenerate", {}).get("enabled", False):
+        return "results/data/regenerated/train.jsonl"
+    return "results/data/train.jsonl"
+
+
+rule regenerate_data:
+    input:
+        train="results/data/train.jsonl",
+        target="results/target/model",
+    output:
+        train="results/data/regenerated/train.jsonl",
+        stats="results/data/regenerated/stats.json",
+    params:
+        cfg=stage_params("data", "target"),
+    log:
+        log_path("regenerate_data"),
+    benchmark:
+        bench_path("regenerate_data")
+    conda:
+        DEVICE_ENV
+    threads: 1
+    resources:
+        mem_mb=8000,
+        runtime=60,
+    shell:
+        "python -m kvshot regenerate-data --config {params.cfg:q} --threads {threads} --train {input.train}"
+        " --target {input.target} --out {output.train} > {log} 2>&1"
