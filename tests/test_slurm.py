@@ -1,24 +1,34 @@
-"""The SLURM path for real: the smoke DAG through `sbatch` on the single-node cluster of
-scripts/slurm_local.sh (CI starts it), and a training job killed by `scancel` that resumes
-from its checkpoint when resubmitted."""
+"""The SLURM path. Without a cluster: the paper DAG dry-run through workflow/profiles/slurm
+books what each job runs (8 GPUs x 8 CPUs for training, one GPU for the target's jobs, the CPU
+partition for CPU-only rules), and the sbatch options the executor plugin derives from those
+resources. With the single-node cluster of scripts/slurm_local.sh (CI starts it): the smoke DAG
+through `sbatch`, and a training job killed by `scancel` that resumes when resubmitted."""
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import shutil
+import socket
 import subprocess
+import sys
 import time
 
 import pytest
 import torch
+import yaml
 
 from kvshot.config import read_config
+from kvshot.launch import FREE_PORT_SHELL, accelerate_args, free_port, launcher_command, scaled_steps
 
 from .conftest import REPO
+from .test_envs import CPU_RULES, DEVICE_RULES, OPTIONAL_RULES, rule_envs
 from .test_pipeline import snakemake, workdir
 
 PROFILE = ("--profile", "workflow/profiles/slurm-test")
+PAPER_PROFILE = REPO / "workflow/profiles/slurm/config.yaml"
+TRAIN_RULES = {"train_drafter", "scaling_train"}
 
 
 def cluster_up() -> bool:
@@ -28,11 +38,160 @@ def cluster_up() -> bool:
     return out.returncode == 0 and any(s in out.stdout for s in ("idle", "mixed", "allocated"))
 
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not cluster_up() and os.environ.get("CI") != "true",
-                       reason="no SLURM cluster: run `bash scripts/slurm_local.sh up` first"),
-]
+needs_cluster = pytest.mark.skipif(not cluster_up() and os.environ.get("CI") != "true",
+                                   reason="no SLURM cluster: run `bash scripts/slurm_local.sh up` first")
+
+
+# ---------------------------------------------------------------- paper DAG, dry run
+
+
+def parse_dry_run(out: str) -> list[dict]:
+    """The jobs of `snakemake -n -p`: rule, wildcards, resources and shell command each."""
+    jobs = []
+    for block in re.split(r"\n(?=\[)", out):
+        rule = re.search(r"^(?:local)?rule (\w+):", block, re.M)
+        if rule is None or rule.group(1) == "all":
+            continue
+        res = re.search(r"^\s+resources: (.*)$", block, re.M)
+        wc = re.search(r"^\s+wildcards: (.*)$", block, re.M)
+        shell = re.search(r"^Shell command: (.*)$", block, re.M)
+        jobs.append({
+            "rule": rule.group(1),
+            "resources": dict(kv.split("=", 1) for kv in res.group(1).split(", ")) if res else {},
+            "wildcards": dict(kv.split("=", 1) for kv in wc.group(1).split(", ")) if wc else {},
+            "shell": shell.group(1) if shell else "",
+        })
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def paper_dry_run(tmp_path_factory):
+    wd = workdir(tmp_path_factory.mktemp("paper_slurm"))
+    proc = snakemake(wd, "all", "figures/scaling.pdf", "-n", "-p", "--profile", "workflow/profiles/slurm",
+                     "--configfile", "config/paper.yaml", timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "warning" not in out.lower(), out[-3000:]
+    return wd, parse_dry_run(out)
+
+
+class _Resources(dict):
+    """A job's resources as the executor plugin reads them (attribute access and .get)."""
+
+    def __getattr__(self, name):
+        return self[name]
+
+
+class _Job:
+    def __init__(self, job: dict):
+        self.name = job["rule"]
+        self.threads = 1
+        self.resources = _Resources({k: int(v) if v.isdigit() else v for k, v in job["resources"].items()})
+
+
+def sbatch_options(job: dict) -> str:
+    """The sbatch call the SLURM executor plugin builds for a dry-run job."""
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+
+    fake = _Job(job)
+    params = {"run_uuid": "uuid", "slurm_logfile": "log", "comment_str": f"rule_{job['rule']}",
+              "account": f"-A {fake.resources['slurm_account']}",
+              "partition": f"-p {fake.resources['slurm_partition']}", "workdir": "."}
+    return get_submit_command(fake, params) + set_gres_string(fake)
+
+
+def test_paper_dry_run_books_gpus_cpus_and_partitions(paper_dry_run):
+    _, jobs = paper_dry_run
+    by_rule: dict[str, list[dict]] = {}
+    for job in jobs:
+        by_rule.setdefault(job["rule"], []).append(job)
+    assert len(by_rule["train_drafter"]) == 6 and len(by_rule["scaling_train"]) == 15
+    assert (DEVICE_RULES | CPU_RULES) - OPTIONAL_RULES <= set(by_rule) <= DEVICE_RULES | CPU_RULES
+    for job in jobs:
+        res = job["resources"]
+        assert "cpus_per_task" not in res, f"{job['rule']}: cpus_per_task would override cpus_per_gpu"
+        assert int(res["runtime"]) > 0 and int(res["mem_mb"]) > 0
+        if job["rule"] in CPU_RULES:
+            assert res["slurm_partition"] == "cpu" and "gpu" not in res and "cpus_per_gpu" not in res, job
+        else:
+            gpus = 8 if job["rule"] in TRAIN_RULES else 1
+            assert (res["slurm_partition"], res["gpu"], res["cpus_per_gpu"]) == ("gpu", str(gpus), "8"), job
+            sbatch = sbatch_options(job)
+            assert f"--gpus={gpus}" in sbatch and "--cpus-per-gpu=8" in sbatch and "--cpus-per-task" not in sbatch
+            assert "-p gpu" in sbatch, sbatch
+    cpu_job = sbatch_options(by_rule["prepare_data"][0])
+    assert "-p cpu" in cpu_job and "--gpus" not in cpu_job and "--cpus-per-task=1" in cpu_job
+
+
+def test_paper_dry_run_gpu_rules_run_in_the_gpu_env(paper_dry_run):
+    wd, jobs = paper_dry_run
+    envs = rule_envs(wd, "config/paper.yaml")
+    for job in jobs:
+        wanted = "gpu.yaml" if "gpu" in job["resources"] else "cpu.yaml"
+        assert envs[job["rule"]].endswith(f"/envs/{wanted}"), (job["rule"], envs[job["rule"]])
+
+
+def test_paper_training_jobs_launch_ddp_on_a_run_time_port_with_their_runtime(paper_dry_run):
+    _, jobs = paper_dry_run
+    profile = yaml.safe_load(PAPER_PROFILE.read_text())
+    assert profile["retries"] >= 1   # the graceful stop exits non-zero: the retry resumes
+    train = [j for j in jobs if j["rule"] in TRAIN_RULES]
+    for job in train:
+        words = job["shell"]
+        assert words.startswith(launcher_command(8) + " train-drafter ")
+        assert f"--main_process_port {FREE_PORT_SHELL}" in words and "--mixed_precision no" in words
+        assert f"--runtime-minutes {job['resources']['runtime']} " in words
+        assert " --threads 8 " in words   # config `threads` per rank = the job's cpus_per_gpu
+
+
+def test_scaling_points_see_the_epochs_of_the_largest(paper_dry_run):
+    _, jobs = paper_dry_run
+    cfg = read_config([str(REPO / "config/config.yaml"), str(REPO / "config/paper.yaml")])
+    batch, max_steps = cfg["drafters"]["train"]["batch_size"], cfg["drafters"]["train"]["max_steps"]
+    sizes = cfg["scaling"]["train_samples"]
+    steps = {}
+    for job in (j for j in jobs if j["rule"] == "scaling_train"):
+        configs = [json.loads(w) for w in shlex.split(job["shell"].split(" > ")[0]) if w.startswith("{")]
+        overlay = configs[-1]["drafters"]["train"]
+        n = int(job["wildcards"]["n"])
+        assert overlay["train_samples"] == n
+        steps[n] = overlay["max_steps"]
+    assert sorted(steps) == sorted(sizes) and steps[max(sizes)] == max_steps
+    epochs = {n: s * batch / n for n, s in steps.items()}
+    assert max(epochs.values()) - min(epochs.values()) < batch / min(sizes)   # equal up to one step's rounding
+    assert steps == {70000: 15000, 140000: 30000, 280000: 60000}
+
+
+def test_launcher_words_and_a_free_port():
+    assert launcher_command(1) == "python -m kvshot"
+    assert accelerate_args(2)[:2] == ["--multi_gpu", "--num_processes"]
+    with pytest.raises(ValueError):
+        launcher_command(0)
+    assert scaled_steps(60000, 70000, 280000) == 15000 and scaled_steps(4, 1, 1000) == 1
+    port = int(subprocess.run([sys.executable, "-m", "kvshot.launch", "free-port"], capture_output=True,
+                              text=True, check=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")}).stdout)
+    assert 1024 <= port <= 65535
+    with socket.socket() as s:   # free now: it can be bound
+        s.bind(("127.0.0.1", free_port()))
+
+
+def test_predownload_fetches_every_hub_repo_at_its_pinned_revision():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/predownload_hub.py")], capture_output=True,
+                          text=True, check=True)
+    commands = [shlex.split(line) for line in proc.stdout.splitlines()]
+    cfg = read_config([str(REPO / "config/config.yaml"), str(REPO / "config/paper.yaml")])
+    repos = {cfg["target"]["name"]: cfg["target"]["revision"]}
+    repos |= {s["name"]: s.get("revision", "main") for s in cfg["data"]["sources"] + cfg["eval"]["prompt_sources"]}
+    got = {c[c.index("download") + 1] if c[2] != "--repo-type" else c[4]: c[c.index("--revision") + 1]
+           for c in commands}
+    assert got == repos
+    sharegpt = next(c for c in commands if "Aeala/ShareGPT_Vicuna_unfiltered" in c)
+    assert "ShareGPT_V4.3_unfiltered_cleaned_split.json" in sharegpt and "dataset" in sharegpt
+    # the target's revision is a commit, not a branch
+    assert re.fullmatch(r"[0-9a-f]{40}", cfg["target"]["revision"])
+
+
+# ---------------------------------------------------------------- smoke DAG through a real cluster
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +202,8 @@ def slurm_run(tmp_path_factory):
     return wd, proc
 
 
+@pytest.mark.slow
+@needs_cluster
 def test_smoke_dag_goes_through_sbatch(slurm_run, tmp_path):
     wd, proc = slurm_run
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -65,6 +226,8 @@ def test_smoke_dag_goes_through_sbatch(slurm_run, tmp_path):
         assert a == b, path
 
 
+@pytest.mark.slow
+@needs_cluster
 def test_scancel_mid_training_then_resubmit_resumes(slurm_run):
     wd, _ = slurm_run
     (wd / "long.yaml").write_text("drafters:\n  train:\n    max_steps: 400\n    ckpt_every: 20\n")

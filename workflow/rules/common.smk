@@ -11,6 +11,10 @@ from kvshot.config import ConfigError, stage_config, validate_config  # noqa: E4
 SPLITS = ["train", "eval"]
 VARIANTS = [v["name"] for v in config["drafters"]["variants"]]
 CPU_ENV = "../../envs/cpu.yaml"
+GPU_ENV = "../../envs/gpu.yaml"
+# Rules that run the target or a drafter get the CUDA environment (CUDA torch, flash-attn)
+# when the config asks for CUDA; data, tokenizer and report rules always run on CPU.
+DEVICE_ENV = GPU_ENV if config["device"] == "cuda" else CPU_ENV
 
 
 def _config_files():
@@ -57,15 +61,39 @@ def bench_path(rule_name, suffix=""):
 
 
 def train_launcher():
-    """One process, or DDP over `drafters.train.num_processes` through accelerate."""
-    from kvshot.train import launcher_args
+    """`python -m kvshot`, or DDP over `drafters.train.num_processes` through accelerate on a
+    port the job picks when it runs (kvshot.launch)."""
+    from kvshot.launch import launcher_command
 
-    n = config["drafters"]["train"]["num_processes"]
-    if n == 1:
-        return "python -m kvshot"
-    return " ".join(["accelerate launch", *launcher_args(n), "-m kvshot"])
+    return launcher_command(config["drafters"]["train"]["num_processes"])
+
+
+def train_rank_threads():
+    """torch threads per training process (kvshot.launch.rank_threads)."""
+    from kvshot.launch import rank_threads
+
+    return rank_threads(config["device"], config["threads"])
+
+
+def train_threads():
+    """A training job's threads: every process's own; the SLURM profile books them as
+    cpus_per_gpu instead (its cpus per GPU = the config's `threads`)."""
+    return config["drafters"]["train"]["num_processes"] * train_rank_threads()
 
 
 def scaling_overlay(wildcards):
-    """The data-scaling sweep's one change: train on the first N captured samples."""
-    return json.dumps({"drafters": {"train": {"train_samples": int(wildcards.n)}}})
+    """The data-scaling sweep's change, as `--config` words: train on the first N captured
+    samples, for the steps that give every N the epochs the largest N gets at
+    drafters.train.max_steps (kvshot.launch.scaled_steps)."""
+    import shlex
+
+    from kvshot.launch import scaled_steps
+
+    own = next(v for v in config["drafters"]["variants"] if v["name"] == wildcards.variant)
+    if "max_steps" in own.get("train", {}):
+        raise WorkflowError(f"config: drafters.variants.{wildcards.variant}.train.max_steps: the scaling sweep "
+                            "scales drafters.train.max_steps; a variant's own max_steps would escape it")
+    n = int(wildcards.n)
+    steps = scaled_steps(config["drafters"]["train"]["max_steps"], n, max(config["scaling"]["train_samples"]))
+    overlay = {"drafters": {"train": {"train_samples": n, "max_steps": steps}}}
+    return f" --config {shlex.quote(json.dumps(overlay, sort_keys=True))}"

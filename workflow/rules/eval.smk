@@ -11,7 +11,7 @@ rule target_continuations:
     benchmark:
         bench_path("target_continuations")
     conda:
-        CPU_ENV
+        DEVICE_ENV
     threads: 1
     resources:
         mem_mb=4000,
@@ -38,7 +38,7 @@ rule eval_stepwise:
     benchmark:
         bench_path("eval_stepwise", "_{variant}")
     conda:
-        CPU_ENV
+        DEVICE_ENV
     threads: 1
     resources:
         mem_mb=4000,
@@ -66,7 +66,7 @@ rule eval_e2e:
     benchmark:
         bench_path("eval_e2e", "_{variant}")
     conda:
-        CPU_ENV
+        DEVICE_ENV
     threads: 1
     resources:
         mem_mb=4000,

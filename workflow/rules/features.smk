@@ -13,7 +13,7 @@ rule capture_features:
     benchmark:
         bench_path("capture_features", "_{split}")
     conda:
-        CPU_ENV
+        DEVICE_ENV
     threads: 1
     resources:
         mem_mb=8000,

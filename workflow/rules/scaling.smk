@@ -2,11 +2,11 @@
 # samples, evaluated step-wise, MAT plotted against N. The same stages with an overlay.
 
 
-rule scaling_train:
-    input:
-        train="results/features/train",
-        eval="results/features/eval",
-        target="results/target/model",
+# Training: train_drafter's launcher, threads, env and resources, on the first N samples with
+# max_steps scaled by N / max(N) so that every N sees the same number of epochs as the largest
+# N does at drafters.train.max_steps (paper: 15k, 30k, 60k steps for 70k, 140k, 280k; 1.71
+# epochs each at a global batch of 8).
+use rule train_drafter as scaling_train with:
     output:
         directory("results/scaling/n{n}/drafters/{variant}"),
     wildcard_constraints:
@@ -15,20 +15,12 @@ rule scaling_train:
     params:
         cfg=variant_params("drafters"),
         overlay=scaling_overlay,
+        launcher=train_launcher(),
+        rank_threads=train_rank_threads(),
     log:
         log_path("scaling_train", "_n{n}_{variant}"),
     benchmark:
         bench_path("scaling_train", "_n{n}_{variant}")
-    conda:
-        CPU_ENV
-    threads: 1
-    resources:
-        mem_mb=6000,
-        runtime=240,
-    shell:
-        "python -m kvshot train-drafter --config {params.cfg:q} --config {params.overlay:q} --threads 1"
-        " --variant {wildcards.variant} --train-features {input.train} --eval-features {input.eval}"
-        " --target {input.target} --out {output} > {log} 2>&1"
 
 
 rule scaling_stepwise:
@@ -49,7 +41,7 @@ rule scaling_stepwise:
     benchmark:
         bench_path("scaling_stepwise", "_n{n}_{variant}")
     conda:
-        CPU_ENV
+        DEVICE_ENV
     threads: 1
     resources:
         mem_mb=4000,

@@ -34,7 +34,7 @@ rule target:
     benchmark:
         bench_path("target")
     conda:
-        CPU_ENV
+        DEVICE_ENV
     threads: config["threads"]  # Snakemake caps it at --cores
     resources:
         mem_mb=8000,

@@ -1,3 +1,8 @@
+# One drafter per job. With drafters.train.num_processes > 1 the job is DDP through
+# `accelerate launch` on a port picked at run time (kvshot.launch); the scaling sweep's
+# training (scaling.smk) is this rule with an overlay, so it books and runs the same way.
+
+
 rule train_drafter:
     input:
         train="results/features/train",
@@ -9,18 +14,22 @@ rule train_drafter:
         variant="|".join(VARIANTS),
     params:
         cfg=variant_params("drafters"),
+        overlay="",   # scaling_train: ` --config <its train_samples and max_steps>`
         launcher=train_launcher(),
+        rank_threads=train_rank_threads(),
     log:
         log_path("train_drafter", "_{variant}"),
     benchmark:
         bench_path("train_drafter", "_{variant}")
     conda:
-        CPU_ENV
-    threads: config["drafters"]["train"]["num_processes"]
+        DEVICE_ENV
+    threads: train_threads()
     resources:
         mem_mb=6000,
         runtime=240,
+    # --runtime-minutes: the trainer saves and stops gracefully well before the job's time
+    # limit; the retry (profile `retries`) resumes from results/drafters/<variant>.ckpt/.
     shell:
-        "{params.launcher} train-drafter --config {params.cfg:q} --threads 1 --variant {wildcards.variant}"
-        " --train-features {input.train} --eval-features {input.eval} --target {input.target}"
-        " --out {output} > {log} 2>&1"
+        "{params.launcher} train-drafter --config {params.cfg:q}{params.overlay} --threads {params.rank_threads}"
+        " --variant {wildcards.variant} --train-features {input.train} --eval-features {input.eval}"
+        " --target {input.target} --runtime-minutes {resources.runtime} --out {output} > {log} 2>&1"
