@@ -169,3 +169,45 @@ def test_unroll_with_either_attention_has_the_same_loss_and_gradients(paradigm, 
     assert g0.keys() == g1.keys()
     for name in g0:
         torch.testing.assert_close(g0[name], g1[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _custom_functions(inputs, bias, blocks):
+    """Every hand-written Function on fp32 inputs: outputs and input gradients."""
+    q, k, v, dk, dv = inputs
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 16, generator=g, requires_grad=True)
+    w = torch.randn(16, generator=g, requires_grad=True)
+    z = torch.randn(4, 20, generator=g, requires_grad=True)
+    p = torch.softmax(torch.randn(4, 20, generator=g), -1)
+    outs = [flash(q, k, v, dk, dv, blocks), block_attention(q, k, v, bias, dk, dv), rms_norm(x, w, 1e-6),
+            soft_cross_entropy(z, p)[0]]
+    leaves = [q, k, v, dk, dv, x, w, z]
+    return outs, torch.autograd.grad(sum(o.sum() for o in outs), leaves)
+
+
+def test_custom_functions_keep_their_precision_under_autocast():
+    """Inside a bf16 autocast region (forward and backward), the hand-written Functions compute
+    in their inputs' dtype, bit for bit as outside: the caller decides the precision."""
+    inputs, bias, blocks = attention_case(torch.float32, 2)
+    plain_outs, plain_grads = _custom_functions(inputs, bias, blocks)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs, grads = _custom_functions(inputs, bias, blocks)
+    for a, b in zip(outs + list(grads), plain_outs + list(plain_grads)):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_block_attention_in_bf16_matches_fp64_within_rounding():
+    """The portable attention on bf16 operands (what a bf16 runtime runs on CUDA): softmax in
+    fp32, output and gradients bf16, close to the float64 reference."""
+    inputs, bias, _ = attention_case(torch.float64, 3)
+    low = [x.detach().to(torch.bfloat16).requires_grad_() for x in inputs]
+    out = block_attention(*low[:3], bias.to(torch.bfloat16), *low[3:])
+    grads = torch.autograd.grad(out.float().sum(), low)
+    ref = plain_attention(*[x.detach().to(torch.bfloat16).double().requires_grad_() for x in inputs[:3]],
+                          bias, *[x.detach().to(torch.bfloat16).double() for x in inputs[3:]])
+    assert out.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+    ref_q = [x.detach().to(torch.bfloat16).double().requires_grad_() for x in inputs]
+    ref_grads = torch.autograd.grad(plain_attention(*ref_q[:3], bias, *ref_q[3:]).sum(), ref_q)
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a.double(), r, atol=6e-2, rtol=6e-2)

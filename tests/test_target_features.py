@@ -123,6 +123,24 @@ def test_online_source_matches_offline(tiny, captured, tmp_path):
         torch.testing.assert_close(b_on[k], b_off[k], atol=1e-5, rtol=1e-5)
 
 
+def test_sources_read_only_the_layers_a_drafter_needs(tiny, captured, tmp_path):
+    """Both modes can hold just some KV layers and no aux hidden states (online: the target's
+    other layers never leave it); what they hold equals the full read."""
+    cfg = copy.deepcopy(tiny["cfg"])
+    cfg["features"]["mode"] = "online"
+    capture_split(cfg, tiny["rt"], str(tiny["train"]), str(tiny["model"]), str(tmp_path / "online"))
+    full = next(batches(open_features(captured[0]), 3))
+    for folder in (captured[0], tmp_path / "online"):
+        src = open_features(folder, tiny["rt"], kv_layers=[1, 3], aux_hidden=False)
+        part = next(batches(src, 3))
+        assert set(part) == {"input_ids", "loss_mask", "attention_mask", "last_hidden",
+                             "key_1", "value_1", "key_3", "value_3"}
+        for k in part:
+            torch.testing.assert_close(part[k], full[k], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"spec.kv_layers: layers \[7\] are not captured"):
+        open_features(captured[0], kv_layers=[1, 7])
+
+
 def test_batches_pad_and_mask(captured):
     source = open_features(captured[0])
     seen = []

@@ -1,5 +1,6 @@
-"""The TTT trainer: resume after a kill is bit-identical, NaN stops cleanly, and 2-process
-DDP (accelerate, gloo on CPU) matches one process at the same global batch."""
+"""The TTT trainer: resume after a kill is bit-identical, NaN stops cleanly, a stop before the
+job's runtime checkpoints and resumes to the same weights, and 2-process DDP (accelerate,
+gloo on CPU) matches one process at the same global batch."""
 from __future__ import annotations
 
 import copy
@@ -13,7 +14,7 @@ import yaml
 from safetensors.torch import load_file
 
 import kvshot.train as train_mod
-from kvshot.train import launcher_args, train_variant
+from kvshot.train import STOP_EXIT_CODE, StoppedForRuntime, launcher_args, train_variant
 
 from .conftest import REPO
 
@@ -28,8 +29,9 @@ def small_cfg(tiny, **train) -> dict:
     return cfg
 
 
-def run(tiny, feats, cfg, out, name="hyb"):
-    return train_variant(cfg, tiny["rt"], name, str(feats["train"]), str(feats["eval"]), str(tiny["model"]), str(out))
+def run(tiny, feats, cfg, out, name="hyb", runtime_minutes=None):
+    return train_variant(cfg, tiny["rt"], name, str(feats["train"]), str(feats["eval"]), str(tiny["model"]), str(out),
+                         runtime_minutes)
 
 
 def weights(folder):
@@ -97,6 +99,57 @@ def test_nan_loss_names_the_step_and_keeps_the_checkpoint(tiny, tiny_features, t
     assert saved["progress"]["step"] == 2
     assert all(torch.isfinite(v).all() for v in saved["model"].values() if v.is_floating_point())
     assert not (tmp_path / "out").exists()
+
+
+def test_nan_before_any_checkpoint_says_so(tiny, tiny_features, tmp_path, monkeypatch):
+    monkeypatch.setattr(train_mod, "weighted_loss", lambda losses, decay: losses[0] * float("inf"))
+    with pytest.raises(FloatingPointError, match="at step 0; no checkpoint yet"):
+        run(tiny, tiny_features, small_cfg(tiny), tmp_path / "out")
+
+
+def test_runtime_stop_checkpoints_and_the_rerun_ends_where_one_run_does(tiny, tiny_features, tmp_path, capsys):
+    """Past the job's runtime less the margin (counted from process start: a 1e-9 minute
+    runtime is over at once), training checkpoints after the step in hand, records why, and
+    raises; reruns resume, and the last one ends with the weights of an uninterrupted run."""
+    cfg = small_cfg(tiny, stop_margin_minutes=0)
+    run(tiny, tiny_features, cfg, tmp_path / "whole")
+    for stopped_at in (1, 2):
+        with pytest.raises(StoppedForRuntime, match=f"stopped at step {stopped_at} of 6"):
+            run(tiny, tiny_features, cfg, tmp_path / "cut", runtime_minutes=1e-9)
+        saved = torch.load(tmp_path / "cut.ckpt/checkpoint.pt", weights_only=False)
+        assert saved["progress"]["step"] == stopped_at and saved["progress"]["stopped_by"] == "runtime"
+        assert not (tmp_path / "cut").exists()
+    assert "a rerun resumes" in capsys.readouterr().out
+    cfg["drafters"]["train"]["stop_margin_minutes"] = 7   # the margin is no part of what a checkpoint must match
+    metrics = run(tiny, tiny_features, cfg, tmp_path / "cut", runtime_minutes=1e6)
+    assert metrics["resumed_from"] == 2 and metrics["steps"] == 6 and metrics["stopped_by"] == "max_steps"
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    log_a = json.loads((tmp_path / "whole/train_log.json").read_text())
+    log_b = json.loads((tmp_path / "cut/train_log.json").read_text())
+    assert [r["loss"] for r in log_a] == [r["loss"] for r in log_b]
+
+
+def test_train_drafter_exits_75_when_stopped_for_runtime(tiny, tiny_features, tmp_path):
+    from kvshot.__main__ import main
+
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(yaml.safe_dump(small_cfg(tiny)))
+    args = ["train-drafter", "--config", str(cfg_file), "--variant", "kv2", "--train-features",
+            str(tiny_features["train"]), "--eval-features", str(tiny_features["eval"]), "--target", str(tiny["model"]),
+            "--out", str(tmp_path / "out"), "--runtime-minutes", "0.5"]   # within smoke's 1 min margin: over at once
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == STOP_EXIT_CODE == 75
+    assert torch.load(tmp_path / "out.ckpt/checkpoint.pt", weights_only=False)["progress"]["stopped_by"] == "runtime"
+
+
+def test_max_minutes_is_a_budget_that_finishes(tiny, tiny_features, tmp_path):
+    run(tiny, tiny_features, small_cfg(tiny, max_minutes=1e-9), tmp_path / "out")
+    metrics = json.loads((tmp_path / "out/metrics.json").read_text())
+    assert metrics["steps"] == 1 and metrics["stopped_by"] == "max_minutes" and "eval" in metrics
+    run(tiny, tiny_features, small_cfg(tiny, max_steps=1), tmp_path / "full")
+    assert json.loads((tmp_path / "full/metrics.json").read_text())["stopped_by"] == "max_steps"
 
 
 def test_training_lowers_the_loss_and_logs_diagnostics(tiny, tiny_features, tmp_path):

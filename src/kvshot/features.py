@@ -27,9 +27,11 @@ INDEX = "index.json"
 TOKEN_KEYS = ("input_ids", "loss_mask")
 
 
-def feature_names(spec: FeatureSpec) -> list[str]:
-    names = ["aux_hidden", "last_hidden"]
-    for l in spec.kv_layers:
+def feature_names(spec: FeatureSpec, kv_layers=None, aux_hidden: bool = True) -> list[str]:
+    """The stored tensors' names; kv_layers / aux_hidden: only those a reader needs (the
+    labels' `last_hidden` always)."""
+    names = ["aux_hidden", "last_hidden"] if aux_hidden else ["last_hidden"]
+    for l in spec.kv_layers if kv_layers is None else kv_layers:
         names += [f"key_{l}", f"value_{l}"]
     return names
 
@@ -40,20 +42,17 @@ def feature_bytes_per_token(spec: FeatureSpec, config) -> int:
     return elem * (4 * config.hidden_size + len(spec.kv_layers) * per_layer_kv)
 
 
-def context_features(ctx, spec: FeatureSpec) -> dict[str, Tensor]:
-    """What is stored of a padded batch's TargetContext, by name, on the CPU in the spec's dtype
-    ([B, T, ...]; keys/values stay strided views when no conversion is needed)."""
+def context_features(ctx, spec: FeatureSpec, kv_layers=None, aux_hidden: bool = True,
+                     device: str | torch.device = "cpu") -> dict[str, Tensor]:
+    """What is stored of a padded batch's TargetContext, by name, on `device` in the spec's dtype
+    ([B, T, ...]; keys/values stay strided views when no conversion is needed); kv_layers /
+    aux_hidden: only what a reader needs (`feature_names`)."""
     dtype = getattr(torch, spec.dtype)
-    named = {"aux_hidden": ctx.aux_hidden, "last_hidden": ctx.last_hidden}
-    for l in spec.kv_layers:
+    named = {"aux_hidden": ctx.aux_hidden} if aux_hidden else {}
+    named["last_hidden"] = ctx.last_hidden
+    for l in spec.kv_layers if kv_layers is None else kv_layers:
         named[f"key_{l}"], named[f"value_{l}"] = ctx.keys[l], ctx.values[l]
-    return {k: v.to(device="cpu", dtype=dtype) for k, v in named.items()}
-
-
-def context_to_samples(ctx, lengths: list[int], spec: FeatureSpec) -> list[dict[str, Tensor]]:
-    """Split a padded batch's TargetContext into per-sample [T, ...] views (padding dropped)."""
-    feats = context_features(ctx, spec)
-    return [{k: v[b, :n] for k, v in feats.items()} for b, n in enumerate(lengths)]
+    return {k: v.to(device=device, dtype=dtype) for k, v in named.items()}
 
 
 def batch_rows(model, batch: dict[str, Tensor], spec: FeatureSpec, device: str) -> dict[str, Tensor]:
@@ -158,8 +157,10 @@ class FeatureSource(Protocol):
     index: dict
 
     def __len__(self) -> int: ...
+    def tokens(self, i: int) -> dict[str, Tensor]: ...
     def sample(self, i: int) -> dict[str, Tensor]: ...
     def batch(self, ids: list[int]) -> dict[str, Tensor]: ...
+    def read_only(self, kv_layers=None, aux_hidden: bool = True) -> "FeatureSource": ...
 
 
 def batches(source: FeatureSource, batch_size: int, shuffle: bool = False, seed: int = 0,
@@ -185,9 +186,21 @@ class _Tokens:
         s = self.index["spec"]
         self.spec = FeatureSpec(tuple(s["aux_layers"]), tuple(s["kv_layers"]), s["dtype"])
         self._handles: dict[int, object] = {}
+        self.kv_layers, self.aux_hidden = self.spec.kv_layers, True   # what `read_only` keeps
 
     def __len__(self) -> int:
         return self.index["num_samples"]
+
+    def read_only(self, kv_layers=None, aux_hidden: bool = True) -> "_Tokens":
+        """From here on, batches hold only these KV layers (None: all the spec holds) and the
+        aux hidden states only if asked: what one drafter reads, not every captured layer."""
+        kv_layers = self.spec.kv_layers if kv_layers is None else tuple(kv_layers)
+        missing = sorted(set(kv_layers) - set(self.spec.kv_layers))
+        if missing:
+            raise ValueError(f"{self.folder / INDEX}: spec.kv_layers: layers {missing} are not captured "
+                             f"(have {list(self.spec.kv_layers)})")
+        self.kv_layers, self.aux_hidden = kv_layers, aux_hidden
+        return self
 
     def tokens(self, i: int) -> dict[str, Tensor]:
         return self._read(i, TOKEN_KEYS)
@@ -202,14 +215,16 @@ class _Tokens:
 
 class OfflineFeatures(_Tokens):
     def sample(self, i: int) -> dict[str, Tensor]:
-        return self._read(i, [*TOKEN_KEYS, *feature_names(self.spec)])
+        return self._read(i, [*TOKEN_KEYS, *feature_names(self.spec, self.kv_layers, self.aux_hidden)])
 
     def batch(self, ids: list[int]) -> dict[str, Tensor]:
         return pad_batch([self.sample(i) for i in ids], self.index["pad_id"])
 
 
 class OnlineFeatures(_Tokens):
-    """Runs the target on each batch instead of reading cached activations."""
+    """Runs the target on each batch instead of reading cached activations. Batches stay on
+    the target's device (no round trip through the host) and hold only what `read_only`
+    keeps; padding is zero, as offline."""
 
     def __init__(self, folder: str | Path, rt: Runtime, attn: str = "auto", model=None):
         super().__init__(folder)
@@ -220,20 +235,23 @@ class OnlineFeatures(_Tokens):
         return {k: v[0] for k, v in self.batch([i]).items() if k != "attention_mask"}
 
     def batch(self, ids: list[int]) -> dict[str, Tensor]:
-        tokens = [self.tokens(i) for i in ids]
-        batch = pad_batch(tokens, self.index["pad_id"])
-        ctx = target_forward(self.model, batch["input_ids"].long().to(self.rt.device),
-                             batch["attention_mask"].to(self.rt.device), self.spec.aux_layers, self.spec.kv_layers)
-        feats = context_to_samples(ctx, [t["input_ids"].shape[0] for t in tokens], self.spec)
-        padded = pad_batch([{**t, **f} for t, f in zip(tokens, feats)], self.index["pad_id"])
-        return padded
+        device = self.model.device
+        batch = {k: v.to(device) for k, v in pad_batch([self.tokens(i) for i in ids], self.index["pad_id"]).items()}
+        ctx = target_forward(self.model, batch["input_ids"].long(), batch["attention_mask"], self.spec.aux_layers,
+                             self.kv_layers)
+        pad = ~batch["attention_mask"].bool()
+        for name, v in context_features(ctx, self.spec, self.kv_layers, self.aux_hidden, device).items():
+            batch[name] = v.masked_fill(pad.view(*pad.shape, *[1] * (v.dim() - 2)), 0)
+        return batch
 
 
-def open_features(folder: str | Path, rt: Runtime | None = None, attn: str = "auto", model=None) -> FeatureSource:
-    """Offline or online, as the capture stage recorded; `model` shares an already loaded target."""
+def open_features(folder: str | Path, rt: Runtime | None = None, attn: str = "auto", model=None,
+                  kv_layers=None, aux_hidden: bool = True) -> FeatureSource:
+    """Offline or online, as the capture stage recorded; `model` shares an already loaded target;
+    kv_layers / aux_hidden: read only these (`read_only`)."""
     src = _Tokens(folder)
     if src.index["mode"] == "offline":
-        return OfflineFeatures(folder)
+        return OfflineFeatures(folder).read_only(kv_layers, aux_hidden)
     if rt is None:
         raise ValueError(f"{folder}: online features need a Runtime to run the target")
-    return OnlineFeatures(folder, rt, attn, model)
+    return OnlineFeatures(folder, rt, attn, model).read_only(kv_layers, aux_hidden)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from .config import Runtime
+from .config import Runtime, drafter_autocast
 from .data import read_jsonl, render_chat
 from .drafters import Drafter
 from .features import pad_batch
@@ -82,10 +82,11 @@ def chain_rows(prompt_len: int, length: int, steps: int) -> range:
 
 @torch.no_grad()
 def chain_correct(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
-                  batch_size: int, device: str) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+                  batch_size: int, device: str, dtype: str = "float32") -> Iterator[tuple[Tensor, Tensor, Tensor]]:
     """Per sequence: the chain anchors (`chain_rows`), and for each anchor and step whether the
     drafter's token equals the target's greedy token, drafting on its own outputs (chain) and
-    teacher-forced. Batched over anchors and sequences: no loop per position."""
+    teacher-forced. Batched over anchors and sequences: no loop per position. The drafter runs
+    in the runtime `dtype`'s precision (`drafter_autocast`), as in training; results on the CPU."""
     drafter.eval()
     kv_layers = tuple(drafter.cfg.kv_layers)
     head = target.lm_head.weight
@@ -99,23 +100,26 @@ def chain_correct(drafter: Drafter, target, items: list[dict], aux_layers: tuple
         feats = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask, "aux_hidden": ctx.aux_hidden}
         for l in kv_layers:
             feats[f"key_{l}"], feats[f"value_{l}"] = ctx.keys[l], ctx.values[l]
-        chain = unroll(drafter, feats, steps, own_tokens=True)
-        forced = unroll(drafter, feats, steps)
+        with drafter_autocast(device, dtype):
+            chain = unroll(drafter, feats, steps, own_tokens=True)
+            forced = unroll(drafter, feats, steps)
         for b, it in enumerate(group):
             rows = torch.tensor(list(chain_rows(len(it["prompt"]), len(seqs[b]), steps)), dtype=torch.long)
-            want = torch.stack([greedy[b, rows + k + 1] for k in range(steps)], dim=1)
-            drafted = torch.stack([drafter.d2t[chain.logits[k][b, rows].argmax(-1)] for k in range(steps)], dim=1)
-            tf = torch.stack([drafter.d2t[forced.logits[k][b, rows].argmax(-1)] for k in range(steps)], dim=1)
-            yield rows, drafted == want, tf == want
+            at = rows.to(ids.device)
+            want = torch.stack([greedy[b, at + k + 1] for k in range(steps)], dim=1)
+            drafted = torch.stack([drafter.d2t[chain.logits[k][b, at].argmax(-1)] for k in range(steps)], dim=1)
+            tf = torch.stack([drafter.d2t[forced.logits[k][b, at].argmax(-1)] for k in range(steps)], dim=1)
+            yield rows, (drafted == want).cpu(), (tf == want).cpu()
 
 
 def stepwise(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
              batch_size: int, device: str, bootstrap_samples: int = 1000, seed: int = 0,
-             min_rounds: int = DEFAULT_MIN_ROUNDS) -> dict:
+             dtype: str = "float32", min_rounds: int = DEFAULT_MIN_ROUNDS) -> dict:
     """Exact greedy chain drafting from every anchor of the target's continuations: alpha_k,
     acc_k, MAT, retention, with intervals that resample whole sequences (`chain_summary`)."""
     reached_seq, accepted_seq, tf_correct, tf_total = [], [], torch.zeros(steps), 0
-    for rows, chain_ok, forced_ok in chain_correct(drafter, target, items, aux_layers, steps, batch_size, device):
+    for rows, chain_ok, forced_ok in chain_correct(drafter, target, items, aux_layers, steps, batch_size, device,
+                                                   dtype):
         if len(rows) == 0:
             continue
         r, a = chain_counts(chain_ok)
@@ -147,7 +151,7 @@ def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dir: str, target_dir: str
     items = read_json(continuations)["items"]
     start = time.time()
     result = stepwise(drafter, target, items, aux, cfg["drafters"]["ttt_steps"], cfg["eval"]["batch_size"],
-                      rt.device, cfg["eval"]["bootstrap_samples"], cfg["seed"],
+                      rt.device, cfg["eval"]["bootstrap_samples"], cfg["seed"], rt.dtype,
                       min_rounds=cfg["eval"]["min_rounds"])
     result.update(variant=Path(drafter_dir).name, paradigm=drafter.cfg.paradigm, layers=drafter.cfg.num_layers,
                   seconds=time.time() - start, device=rt.device, threads=rt.threads)

@@ -1,5 +1,8 @@
 """The `train_drafter` stage: one TTT trainer for every variant, with checkpoints that
-resume bit-identically, NaN guards, bottleneck diagnostics and optional DDP (accelerate)."""
+resume bit-identically, NaN guards, bottleneck diagnostics and optional DDP (accelerate).
+Precision follows the runtime dtype (`config.drafter_autocast`): bf16 autocast over fp32
+parameters and optimizer state, or plain fp32. Given the job's runtime, training
+checkpoints and exits (code 75) before it, and the rerun resumes."""
 from __future__ import annotations
 
 import copy
@@ -14,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .config import ConfigError, Runtime
+from .config import ConfigError, Runtime, drafter_autocast
 from .drafters import Drafter, DrafterConfig, build_drafter
 from .drafters.standalone import init_from_target
 from .features import FeatureSource, open_features
@@ -120,7 +123,7 @@ def kv_key_share(valid: list[torch.Tensor], anchors: list[torch.Tensor | None] |
     num, den = 0.0, 0
     for k, v in enumerate(valid):
         rows = anchors[k] if anchors else None
-        t = (torch.arange(v.shape[1]).expand_as(v) if rows is None else rows).to(torch.float32)
+        t = (torch.arange(v.shape[1], device=v.device).expand_as(v) if rows is None else rows).to(torch.float32)
         num += float(((k + 1) / (t + k + 2))[v].sum())
         den += int(v.sum())
     return num / max(den, 1)
@@ -130,20 +133,24 @@ def kv_key_share(valid: list[torch.Tensor], anchors: list[torch.Tensor | None] |
 
 @torch.no_grad()
 def evaluate(model: Drafter, source: FeatureSource, head_w: torch.Tensor, steps: int, batch_size: int,
-             max_batches: int, target=None) -> dict:
-    """Teacher-forced metrics per step on the eval split: loss_k, acc_k, and the query error."""
+             max_batches: int, target=None, dtype: str = "float32") -> dict:
+    """Teacher-forced metrics per step on the eval split: loss_k, acc_k, and the query error.
+    Batches move to the drafter's device; it runs in the runtime `dtype`'s precision, as in training."""
     model.eval()
     from .features import batches
 
+    device = model.d2t.device
     sums = {"loss": [0.0] * steps, "n": [0] * steps, "correct": [0] * steps, "acc_n": [0] * steps}
     cos_sum, cos_n = [0.0] * steps, 0
     kv = model.kv_attentions()
     for i, batch in enumerate(batches(source, batch_size)):
         if i >= max_batches:
             break
+        batch = {k: v.to(device) for k, v in batch.items()}
         labels = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
-        un = unroll(model, batch, steps, keep_queries=bool(kv) and target is not None)
-        losses, counts, correct, acc_n = step_losses(model, un, batch, labels)
+        with drafter_autocast(device.type, dtype):
+            un = unroll(model, batch, steps, keep_queries=bool(kv) and target is not None)
+            losses, counts, correct, acc_n = step_losses(model, un, batch, labels)
         for k in range(steps):
             sums["loss"][k] += float(losses[k]) * int(counts[k])
             sums["n"][k] += int(counts[k])
@@ -165,10 +172,42 @@ def evaluate(model: Drafter, source: FeatureSource, head_w: torch.Tensor, steps:
     }
 
 
+# ---------------------------------------------------------------- stopping before the job's limit
+
+STOP_EXIT_CODE = 75   # EX_TEMPFAIL: "try again"; Snakemake's retry reruns the job, which resumes
+
+
+class StoppedForRuntime(Exception):
+    """Training saved a checkpoint and stopped before the job's wall-clock limit."""
+
+
+def process_start_time() -> float:
+    """When this process started (epoch seconds): the job's clock runs from before loading."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+def stop_deadline(runtime_minutes: float | None, margin_minutes: float, started: float | None = None) -> float | None:
+    """The time past which training checkpoints and stops: the job's runtime less a margin for
+    the checkpoint, the exit and whatever ran before this process, from process start."""
+    if runtime_minutes is None:
+        return None
+    if runtime_minutes <= margin_minutes:
+        print(f"warning: runtime {runtime_minutes} min is within drafters.train.stop_margin_minutes "
+              f"({margin_minutes}): each attempt trains one step", flush=True)
+    return (process_start_time() if started is None else started) + 60 * (runtime_minutes - margin_minutes)
+
+
 # ---------------------------------------------------------------- training
+
+# settings that do not change what is trained: a checkpoint made under other values resumes
+_NOT_FINGERPRINTED = ("stop_margin_minutes",)
+
 
 def _fingerprint(v: dict, cfg: dict, train_dir: str, target_dir: str) -> str:
     """What a checkpoint must match to be resumed (a changed config starts afresh)."""
+    v = {**v, "train": {k: x for k, x in v["train"].items() if k not in _NOT_FINGERPRINTED}}
     key = {"variant": v, "seed": cfg["seed"], "drafters": {k: cfg["drafters"][k] for k in ("ttt_steps", "step_decay",
            "draft_vocab_size")}, "train": str(train_dir), "target": str(target_dir)}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -186,17 +225,31 @@ def _save_checkpoint(path: Path, model, opt, sched, progress: dict) -> None:
     os.replace(tmp, path)   # a kill mid-save keeps the previous checkpoint
 
 
+def _any_rank(accel, *flags: bool) -> list[bool]:
+    """Each flag, true if it is on any process (every rank then takes the same branch)."""
+    if accel.num_processes == 1:
+        return list(flags)
+    total = accel.reduce(torch.tensor([float(f) for f in flags], device=accel.device), "sum")
+    return [bool(x > 0) for x in total.tolist()]
+
+
 def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, target_dir: str,
-                  out_dir: str) -> dict:
+                  out_dir: str, runtime_minutes: float | None = None) -> dict:
+    """Train one variant. runtime_minutes: the job's wall-clock limit; past it less
+    `stop_margin_minutes` (from process start) training checkpoints and raises StoppedForRuntime."""
     from accelerate import Accelerator
 
     v = variant_config(cfg, name)
     tc, dcfg = v["train"], cfg["drafters"]
+    deadline = stop_deadline(runtime_minutes, tc.get("stop_margin_minutes", 0))
     steps_k, decay = dcfg["ttt_steps"], dcfg["step_decay"]
     accel = Accelerator(cpu=rt.device == "cpu")
     world, rank = accel.num_processes, accel.process_index
     torch.manual_seed(rt.seed)
     random.seed(rt.seed)
+    if rt.device == "cuda":   # what stays fp32 under autocast (the fp32 parameters' own products) may use TF32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
     target = load_target(target_dir, rt)
     train_src, eval_src = open_features(train_dir, rt, model=target), open_features(eval_dir, rt, model=target)
@@ -208,7 +261,9 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     if missing:
         raise ConfigError(f"config: features.kv_layers: variant {name} reads target layers {missing}, "
                           f"which the features do not hold ({list(train_src.spec.kv_layers)})")
-    params = [p for p in model.parameters() if p.requires_grad]
+    for src in (train_src, eval_src):   # batches carry (and online: compute) only what this variant reads
+        src.read_only(model.cfg.kv_layers, model.reads_aux_hidden)
+    params = [p for p in model.parameters() if p.requires_grad]   # fp32: so is the optimizer state
     opt = torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"], betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_at(s, tc["max_steps"], tc["warmup_steps"], tc["min_lr_ratio"]))
@@ -218,8 +273,9 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     fp = _fingerprint(v, cfg, train_dir, target_dir)
     progress = {"step": 0, "epoch": 0, "cursor": 0, "log": [], "fingerprint": fp, "resumed_from": None,
                 "world_size": world}
+    saved_step = None   # the step of the checkpoint on disk that this run would resume from
     if ckpt.exists():
-        saved = torch.load(ckpt, weights_only=False)
+        saved = torch.load(ckpt, map_location="cpu", weights_only=False)   # wherever it was written
         if saved["progress"]["fingerprint"] == fp:
             model.load_state_dict(saved["model"])
             opt.load_state_dict(saved["optimizer"])
@@ -227,11 +283,15 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
             torch.set_rng_state(saved["torch_rng"])
             random.setstate(saved["python_rng"])
             progress = saved["progress"]
-            progress["resumed_from"] = progress["step"]
+            progress["resumed_from"] = saved_step = progress["step"]
+            progress.pop("stopped_by", None)
             print(f"resuming {name} from step {progress['step']} ({ckpt})", flush=True)
         else:
             print(f"ignoring {ckpt}: it was written for another config", flush=True)
     ddp = model if world == 1 else torch.nn.parallel.DistributedDataParallel(model)
+
+    def no_good_state() -> str:
+        return f"last good checkpoint: step {saved_step} at {ckpt}" if saved_step is not None else "no checkpoint yet"
 
     bs = tc["batch_size"]
     if bs % world:
@@ -251,25 +311,29 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
         labels = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
         local = torch.tensor([float(scored_tokens(batch, labels, model.t2d, k)[1].sum()) for k in range(steps_k)])
         denominators = (accel.reduce(local.to(accel.device), "sum").cpu().clamp(min=1) / world).tolist()
-        un: Unrolled = ddp(batch, steps_k)
-        losses, counts, correct, acc_n = step_losses(model, un, batch, labels, denominators)
-        loss = weighted_loss(losses, decay)
+        with rt.autocast():   # bf16 runtime: bf16 compute over the fp32 parameters; losses in fp32
+            un: Unrolled = ddp(batch, steps_k)
+            losses, counts, correct, acc_n = step_losses(model, un, batch, labels, denominators)
+            loss = weighted_loss(losses, decay)
         bad = accel.reduce(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=accel.device), "sum")
         if float(bad) > 0:
-            raise FloatingPointError(f"train {name}: loss is {loss.item()} at step {step}; "
-                                     f"last good checkpoint kept at {ckpt}")
+            raise FloatingPointError(f"train {name}: loss is {loss.item()} at step {step}; {no_good_state()}")
         loss.backward()
-        norms = grad_norms(groups)
-        torch.nn.utils.clip_grad_norm_(params, tc["grad_clip"])
+        logging = step % tc["log_every"] == 0 or step + 1 == tc["max_steps"]
+        norms = grad_norms(groups) if logging else None
+        total_norm = torch.nn.utils.clip_grad_norm_(params, tc["grad_clip"])
+        if not torch.isfinite(total_norm):   # gradients are all-reduced: every rank sees the same norm
+            raise FloatingPointError(f"train {name}: gradient norm is {float(total_norm)} at step {step}; "
+                                     f"{no_good_state()}")
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         progress["cursor"] += bs
         progress["step"] = step + 1
         tokens_seen += int(batch["attention_mask"].sum())
-        if step % tc["log_every"] == 0 or step + 1 == tc["max_steps"]:
-            rec = {"step": step, "lr": sched.get_last_lr()[0], "loss": float(loss) / world,
-                   "loss_k": [float(l) / world for l in losses],
+        if logging:
+            rec = {"step": step, "lr": sched.get_last_lr()[0], "loss": float(loss.detach()) / world,
+                   "loss_k": [float(l.detach()) / world for l in losses],
                    "acc_k": [int(c) / max(int(a), 1) for c, a in zip(correct, acc_n)],
                    "grad_norm": norms, "kv_key_share": kv_key_share(un.valid, un.anchors) if model.kv_attentions() else None}
             if hasattr(model, "gate"):
@@ -281,20 +345,39 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
         if progress["step"] % tc["ckpt_every"] == 0 and progress["step"] < tc["max_steps"]:
             if rank == 0:
                 _save_checkpoint(ckpt, model, opt, sched, progress)
+            saved_step = progress["step"]
             accel.wait_for_everyone()
-        if time.time() - start > 60 * tc["max_minutes"]:
+        if progress["step"] >= tc["max_steps"]:
+            break
+        now = time.time()
+        over_budget, over_runtime = _any_rank(accel, now - start > 60 * tc["max_minutes"],
+                                              deadline is not None and now > deadline)
+        if over_runtime:
+            progress["stopped_by"] = "runtime"
+            if rank == 0:
+                _save_checkpoint(ckpt, model, opt, sched, progress)
+            accel.wait_for_everyone()
+            bar.close()
+            msg = (f"train {name}: stopped at step {progress['step']} of {tc['max_steps']}, "
+                   f"{tc.get('stop_margin_minutes', 0)} min before the job's {runtime_minutes} min runtime; "
+                   f"checkpoint {ckpt}; a rerun resumes from it")
+            if rank == 0:
+                print(msg, flush=True)
+            raise StoppedForRuntime(msg)
+        if over_budget:   # the training budget: finish (eval, save) with the steps done
             progress["stopped_by"] = "max_minutes"
             break
     bar.close()
     seconds = time.time() - start
     metrics = {"variant": name, "paradigm": v["paradigm"], "layers": v["layers"], "steps": progress["step"],
-               "train_samples": n,
+               "stopped_by": progress.get("stopped_by", "max_steps"), "train_samples": n,
                "resumed_from": progress["resumed_from"], "world_size": world, "train_seconds": seconds,
                "train_tokens_per_s": tokens_seen * world / max(seconds, 1e-9),
-               "parameters": sum(p.numel() for p in params), "draft_vocab_size": len(model.d2t)}
+               "parameters": sum(p.numel() for p in params), "draft_vocab_size": len(model.d2t),
+               "dtype": rt.dtype, "device": rt.device}
     if rank == 0:
         metrics["eval"] = evaluate(model, eval_src, head_w, steps_k, tc["batch_size"], tc["eval_batches"],
-                                   target if model.kv_attentions() else None)
+                                   target if model.kv_attentions() else None, rt.dtype)
         model.save(out_dir, {"metrics.json": metrics, "train_log.json": progress["log"], "variant.json": v})
     accel.wait_for_everyone()
     return metrics

@@ -102,9 +102,12 @@ def labelled_rows(loss_mask: Tensor, steps: int, keep_share: float = 0.98) -> Te
     return labelled.flatten().nonzero().view(-1)
 
 
-def context(batch: dict[str, Tensor]) -> dict[str, Tensor]:
-    """What a drafter may read of the target: activations at anchor positions + padding mask."""
-    ctx = {k: v for k, v in batch.items() if k == "aux_hidden" or k.startswith(("key_", "value_"))}
+def context(batch: dict[str, Tensor], dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """What a drafter may read of the target: activations at anchor positions + padding mask.
+    dtype: the drafter's compute dtype, the one place the target's features (any dtype:
+    fp32 or bf16 shards, a bf16 target online) are cast to it."""
+    ctx = {k: v if dtype is None else v.to(dtype) for k, v in batch.items()
+           if k == "aux_hidden" or k.startswith(("key_", "value_"))}
     ctx["valid"] = batch["attention_mask"].bool()          # prefix keys (training: one per position)
     ctx["anchor_valid"] = ctx["valid"]                      # query rows (training: every position)
     ctx["first_ids"] = batch["input_ids"][:, :1].long()     # x_0: no anchor reads it (the standalone LM does)
@@ -123,7 +126,8 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
     ids = batch["input_ids"].long()
     b, t = ids.shape
     loss_mask = assistant_tokens(batch)
-    state = drafter.begin(context(batch), torch.arange(t, device=ids.device).expand(b, -1))
+    anchors = torch.arange(t, device=ids.device).expand(b, -1)
+    state = drafter.begin(context(batch, drafter.compute_dtype()), anchors)
     out = Unrolled([], [], [])
     if drafter.causal_lm and not own_tokens:
         # teacher-forced, step k at anchor t reads what step 0 reads at anchor t + k: one pass

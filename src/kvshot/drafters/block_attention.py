@@ -10,13 +10,15 @@ block. Two versions of one function:
                      diagonal keys merged in by logsumexp; one autograd node for all blocks.
   `block_attention`  any device and dtype: one block, one scores tensor normalized in place,
                      the softmax in fp32 at least.
+Both run in their inputs' dtype with autocast off (`own_precision`): `Attention.attend` casts
+q, keys and values to the compute dtype (bf16 under a bf16 runtime's autocast).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .fused import at_least_fp32
+from .fused import at_least_fp32, own_precision
 
 
 def _diag_scores(q: Tensor, dk: Tensor, steps: int = 0) -> Tensor:
@@ -64,6 +66,7 @@ class BlockAttention(torch.autograd.Function):
     whole anchors) [B, N, R, D] (`_diag_scores`). Returns [B, N, G, R, D]."""
 
     @staticmethod
+    @own_precision
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, dk: Tensor | None, dv: Tensor | None,
                 steps: int = 0) -> Tensor:
         b, n, g, r, d = q.shape
@@ -93,13 +96,14 @@ class BlockAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @own_precision
     def backward(ctx, grad_out: Tensor):
         q, k, v, dk, dv, p, diag, out = ctx.saved_tensors
         b, n, g, r, d = q.shape
         tk = k.shape[2]
         need_q, need_k, need_v, _, need_dk, need_dv, _ = ctx.needs_input_grad
         steps = ctx.steps
-        go = grad_out.contiguous()
+        go = grad_out.to(q.dtype).contiguous()   # the caller's ops may have widened it
         go2 = go.view(b, n, g * r, d)
         p2 = p.view(b, n, g * r, tk)
         grad_v = torch.matmul(p2.transpose(-1, -2), go2) if need_v else None
@@ -159,6 +163,7 @@ class FlashAttention(torch.autograd.Function):
     scaled by `scale`. Returns [B, H, Tq, D] laid out as [B, Tq, H, D], the o_proj's input."""
 
     @staticmethod
+    @own_precision
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, dk: Tensor | None, dv: Tensor | None, blocks: list,
                 steps: int = 0, scale: float = 1.0) -> Tensor:
         b, h, tq, d = q.shape
@@ -193,12 +198,13 @@ class FlashAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @own_precision
     def backward(ctx, grad_out: Tensor):
         q, k, v, dk, dv, out, lse, diag = ctx.saved_tensors
         b, h, tq, d = q.shape
         n = k.shape[1]
         need_q, need_k, need_v, need_dk, need_dv, *_ = ctx.needs_input_grad
-        go, scale = grad_out, ctx.scale
+        go, scale = grad_out.to(q.dtype), ctx.scale
         whole = len(ctx.blocks) == 1
         grad_q = None if whole else go.new_empty(b, tq, h, d).transpose(1, 2)
         every_key = whole and ctx.blocks[0][2] == 0 and ctx.blocks[0][3] == k.shape[2]

@@ -5,8 +5,24 @@ products) launches about twenty kernels per call, forward and backward; this kee
 normalized input and the per-row scale, and the backward is the closed form."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
+
+
+def own_precision(fn):
+    """A custom autograd Function's forward or backward runs in its inputs' own dtypes, with
+    autocast off: the caller casts (`Attention.attend`), and the backward does not depend on
+    whether backward() is called inside an autocast region. Free when autocast is off."""
+    @functools.wraps(fn)
+    def run(*args):
+        if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+            with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+                return fn(*args)
+        return fn(*args)
+
+    return run
 
 
 def at_least_fp32(x: Tensor) -> Tensor:
@@ -18,6 +34,7 @@ class RMSNormFunction(torch.autograd.Function):
     """y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps) over the last dim (fp32)."""
 
     @staticmethod
+    @own_precision
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         d = x.shape[-1]
         rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(d).add_(eps).rsqrt_()
@@ -26,6 +43,7 @@ class RMSNormFunction(torch.autograd.Function):
         return x_hat * weight
 
     @staticmethod
+    @own_precision
     def backward(ctx, grad_y: Tensor):
         x_hat, rstd, weight = ctx.saved_tensors
         g = grad_y * weight
@@ -61,8 +79,9 @@ class SoftCrossEntropy(torch.autograd.Function):
     [rows, vocab] tensor is exponentiated once and passed over a few times in all."""
 
     @staticmethod
+    @own_precision
     def forward(ctx, logits: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
-        z = at_least_fp32(logits)
+        z, probs = at_least_fp32(logits), at_least_fp32(probs)
         flat = z.reshape(-1, z.shape[-1])
         softmax = torch.softmax(flat, dim=-1)
         argmax = first_argmax(flat)
@@ -75,6 +94,7 @@ class SoftCrossEntropy(torch.autograd.Function):
         return ce, argmax.view(z.shape[:-1])
 
     @staticmethod
+    @own_precision
     def backward(ctx, grad_ce: Tensor, _grad_argmax):
         softmax, probs = ctx.saved_tensors
         grad = torch.sub(softmax.view(probs.shape), probs).mul_(grad_ce[..., None])

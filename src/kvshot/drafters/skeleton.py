@@ -54,6 +54,12 @@ class DrafterConfig:
         return cls(**json.loads(path.read_text()))
 
 
+def compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """What a drafter computes in on a device: autocast's dtype inside an autocast region
+    (a bfloat16 runtime, `config.drafter_autocast`), else `dtype` (its parameters')."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else dtype
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -162,15 +168,19 @@ class Attention(nn.Module):
         if isinstance(diag, list):
             diag = stacked(diag)
         dk, dv, steps = (None, None, 0) if diag is None else (diag.k, diag.v, diag.steps)
-        if FLASH_ON_CPU and q.device.type == "cpu" and q.dtype == torch.float32:
-            out = flash_attention(q, prefix.k, prefix.v, dk, dv, mask.flash_blocks(), steps, 1.0 / math.sqrt(d))
+        # one compute dtype for every operand: autocast's (bf16 runtime) or the query's
+        dt = compute_dtype(q.device.type, q.dtype)
+        q, pk, pv = q.to(dt), prefix.k.to(dt), prefix.v.to(dt)
+        dk, dv = (None, None) if dk is None else (dk.to(dt), dv.to(dt))
+        if FLASH_ON_CPU and q.device.type == "cpu" and dt == torch.float32:
+            out = flash_attention(q, pk, pv, dk, dv, mask.flash_blocks(), steps, 1.0 / math.sqrt(d))
             return self.o_proj(out.transpose(1, 2).reshape(b, tq, h * d))   # a view: the kernel writes [B, Tq, H, D]
         qg = (q * (1.0 / math.sqrt(d))).view(b, self.n_kv, h // self.n_kv, tq, d)
         bias = mask.bias
         outs = []
         rows = (slice(None),) * (2 if steps else 3)   # the diagonal keys' row dim
         for r0, r1, k0, k1 in mask.blocks:   # with steps in rows, blocks hold whole anchors
-            outs.append(block_attention(qg[:, :, :, r0:r1], prefix.k[:, :, k0:k1], prefix.v[:, :, k0:k1],
+            outs.append(block_attention(qg[:, :, :, r0:r1], pk[:, :, k0:k1], pv[:, :, k0:k1],
                                         bias[:, :, :, r0:r1, k0:k1], None if dk is None else dk[rows + (slice(r0, r1),)],
                                         None if dv is None else dv[rows + (slice(r0, r1),)], steps))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
@@ -407,6 +417,11 @@ class Drafter(nn.Module):
 
         return unroll(self, batch, steps, keep_queries, skip_unlabelled=True)
 
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the target's features are cast to on entry (`ttt.context`)."""
+        w = self.lm_head.weight
+        return compute_dtype(w.device.type, w.dtype)
+
     def rotary(self, positions: Tensor) -> Rotary:
         return rotary(positions, self.cfg.head_dim, self.cfg.rope_theta, self.embed_tokens.weight.dtype)
 
@@ -433,5 +448,5 @@ def load_drafter(folder: str | Path, device: str = "cpu") -> Drafter:
 
     folder = Path(folder)
     model = build_drafter(DrafterConfig.load(folder / "config.json"))
-    model.load_state_dict(load_file(str(folder / "model.safetensors"), device=device))
+    model.load_state_dict(load_file(str(folder / "model.safetensors")))   # saved on the CPU, wherever trained
     return model.to(device)
