@@ -53,11 +53,13 @@ def encode_prompt(tokenizer: Any, messages: list[dict], max_len: int | None = No
 def assistant_spans(text: str, messages: list[dict]) -> list[tuple[int, int]]:
     """Character spans of each assistant answer + its <|im_end|> in a rendered conversation.
     Every message's content is found in order, anchored on the <|im_end|> that closes it (a
-    role name or template text cannot match that); templates may strip leading newlines."""
+    role name or template text cannot match that). Templates may strip leading newlines, and
+    Qwen3's moves text before a `</think>` in an answer into its think block."""
     spans, cursor = [], 0
     for index, m in enumerate(messages):
         content = m["content"]
-        for candidate in dict.fromkeys((content, content.lstrip("\n"), content.strip())):
+        after_think = content.split("</think>")[-1].lstrip("\n")
+        for candidate in dict.fromkeys((content, content.lstrip("\n"), content.strip(), after_think)):
             start = text.find(candidate + IM_END, cursor)
             if start >= 0:
                 break

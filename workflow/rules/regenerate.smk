@@ -1,14 +1,14 @@
 # Optional (data.regenerate): the target rewrites the training answers, as EAGLE-3 and
-# SpecForge train their drafters. Nothing consumes results/data/regenerated/train.jsonl
-# unless the feature rules are pointed at it (see regenerated_train below).
+# SpecForge train their drafters. Nothing reads results/data/regenerated/train.jsonl unless a
+# rule takes its split through split_jsonl (capture_features: `split=split_jsonl,`).
 
 
-def regenerated_train(wildcards=None):
-    """The train split the drafters' features read: the target's own answers when
-    data.regenerate.enabled, the prepared split otherwise."""
-    if config["data"].get("regenerate", {}).get("enabled", False):
+def split_jsonl(wildcards):
+    """The split file a features job reads: for train, the target's own answers when
+    data.regenerate.enabled; the prepared split otherwise."""
+    if wildcards.split == "train" and config["data"].get("regenerate", {}).get("enabled", False):
         return "results/data/regenerated/train.jsonl"
-    return "results/data/train.jsonl"
+    return f"results/data/{wildcards.split}.jsonl"
 
 
 rule regenerate_data:
