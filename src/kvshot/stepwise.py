@@ -11,7 +11,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from .config import Runtime, drafter_autocast
-from .data import read_jsonl, render_chat
+from .chat import encode_prompt
+from .data import read_jsonl
 from .drafters import Drafter
 from .features import pad_batch
 from .io import read_json, write_json
@@ -35,13 +36,12 @@ def prompt_conversations(eval_jsonl: str | Path, n: int, sources: list[dict] | N
 
 
 def eval_prompts(conversations: list[list[dict]], tokenizer, max_prompt_len: int) -> list[list[int]]:
-    """The conversation up to its first assistant turn, with the generation prompt; long
-    prompts keep their end (the part next to the answer)."""
+    """The conversation up to its first assistant turn, with the generation prompt, rendered as
+    training text is (`chat`); long prompts keep their end (the part next to the answer)."""
     prompts = []
     for msgs in conversations:
         first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
-        ids = tokenizer.encode(render_chat(msgs[:first], add_generation_prompt=True), add_special_tokens=False)
-        prompts.append(ids[-max_prompt_len:])
+        prompts.append(encode_prompt(tokenizer, msgs[:first], max_prompt_len))
     return prompts
 
 
