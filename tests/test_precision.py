@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import kvshot.drafters.skeleton as skeleton
+import kvshot.train as train_mod
 from kvshot.config import Runtime, drafter_autocast
 from kvshot.features import capture_split, open_features
 from kvshot.stepwise import chain_correct, stepwise
@@ -64,6 +65,10 @@ def test_bf16_runtime_trains_in_bf16_with_fp32_state(tiny, bf16_features, tmp_pa
     seen = set()
     real = skeleton.block_attention
     monkeypatch.setattr(skeleton, "block_attention", lambda q, *a: seen.add(q.dtype) or real(q, *a))
+    saved = []   # the checkpoint is removed once the drafter is saved: keep what was written
+    real_save = train_mod._save_checkpoint
+    monkeypatch.setattr(train_mod, "_save_checkpoint",
+                        lambda path, *a: (real_save(path, *a), saved.append(torch.load(path, weights_only=False))))
     cfg = one_variant_cfg(tiny, paradigm)
     out = tmp_path / "v"
     metrics = train_variant(cfg, bf16_runtime(tiny), "v", str(bf16_features["train"]), str(bf16_features["eval"]),
@@ -72,7 +77,7 @@ def test_bf16_runtime_trains_in_bf16_with_fp32_state(tiny, bf16_features, tmp_pa
     log = json.loads((out / "train_log.json").read_text())
     assert len(log) == 2 and all(math.isfinite(r["loss"]) for r in log)
     assert all(math.isfinite(x) for x in metrics["eval"]["loss"]) and metrics["dtype"] == "bfloat16"
-    ckpt = torch.load(tmp_path / "v.ckpt/checkpoint.pt", weights_only=False)
+    ckpt = saved[-1]
     floats = {k: t for k, t in ckpt["model"].items() if t.is_floating_point()}
     assert floats and all(t.dtype == torch.float32 for t in floats.values())
     states = [t for s in ckpt["optimizer"]["state"].values() for k, t in s.items() if k != "step"]

@@ -79,7 +79,76 @@ def test_changed_config_does_not_resume(tiny, tiny_features, tmp_path, capsys):
     cfg2 = small_cfg(tiny, max_steps=4, lr=5e-4)
     torch.save({"progress": {"fingerprint": "other"}}, tmp_path / "out.ckpt/checkpoint.pt")
     m = run(tiny, tiny_features, cfg2, tmp_path / "out")
-    assert m["resumed_from"] is None and "another config" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert m["resumed_from"] is None and "written for other inputs or config" in out and "set aside" in out
+    assert not (tmp_path / "out.ckpt").exists()   # removed once the drafter is saved
+
+
+def _killed_at_step_3(monkeypatch, train):
+    """Run `train()` until it dies at step 3, after the step-2 checkpoint."""
+    calls = {"n": 0}
+    real = train_mod.step_losses
+
+    def dying(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise Killed
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train_mod, "step_losses", dying)
+    with pytest.raises(Killed):
+        train()
+    monkeypatch.setattr(train_mod, "step_losses", real)
+
+
+def test_upstream_change_retrains_from_step_0(tiny, tiny_features, tmp_path, monkeypatch, capsys):
+    """A retrained target and recaptured features at the same paths: the checkpoint of the
+    old inputs is set aside, and training equals a clean run on the new ones."""
+    import shutil
+
+    from transformers import Qwen3ForCausalLM
+
+    from kvshot.features import capture_split
+
+    cfg = small_cfg(tiny)
+    target, feats = tmp_path / "target", {s: tmp_path / "features" / s for s in ("train", "eval")}
+    shutil.copytree(tiny["model"], target)
+    for split, folder in feats.items():
+        shutil.copytree(tiny_features[split], folder)
+
+    def train(out):
+        return train_variant(cfg, tiny["rt"], "hyb", str(feats["train"]), str(feats["eval"]), str(target), str(out))
+
+    _killed_at_step_3(monkeypatch, lambda: train(tmp_path / "out"))
+    assert torch.load(tmp_path / "out.ckpt/checkpoint.pt", weights_only=False)["progress"]["step"] == 2
+    model = Qwen3ForCausalLM.from_pretrained(str(target))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.05)
+    model.save_pretrained(str(target))
+    for split, folder in feats.items():
+        shutil.rmtree(folder)
+        capture_split(tiny["cfg"], tiny["rt"], str(tiny[split]), str(target), str(folder))
+    capsys.readouterr()
+    m = train(tmp_path / "out")
+    log = capsys.readouterr().out
+    assert m["resumed_from"] is None and "resuming" not in log and "set aside" in log, log
+    train(tmp_path / "clean")
+    a, b = weights(tmp_path / "out"), weights(tmp_path / "clean")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_truncated_checkpoint_is_set_aside(tiny, tiny_features, tmp_path, monkeypatch, capsys):
+    cfg = small_cfg(tiny)
+    _killed_at_step_3(monkeypatch, lambda: run(tiny, tiny_features, cfg, tmp_path / "out"))
+    ckpt = tmp_path / "out.ckpt/checkpoint.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    m = run(tiny, tiny_features, cfg, tmp_path / "out")
+    log = capsys.readouterr().out
+    assert m["resumed_from"] is None and "unreadable" in log and "as checkpoint.pt.corrupt" in log, log
+    run(tiny, tiny_features, cfg, tmp_path / "clean")
+    a, b = weights(tmp_path / "out"), weights(tmp_path / "clean")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_nan_loss_names_the_step_and_keeps_the_checkpoint(tiny, tiny_features, tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from .config import ConfigError, Runtime, drafter_autocast
 from .drafters import Drafter, DrafterConfig, build_drafter
 from .drafters.standalone import init_from_target
 from .features import FeatureSource, open_features
+from .integrity import content_digest, folder_digest
 from .io import read_json, write_json
 from .target import load_target, lr_at, rope_theta, target_queries
 from .ttt import (Unrolled, label_positions, query_cosine, scored_tokens, step_losses, target_labels, unroll,
@@ -74,7 +76,8 @@ def build_variant(v: dict, target_cfg, embed: torch.Tensor, d2t: torch.Tensor, t
         head_dim=target_cfg.head_dim, intermediate_size=v.get("intermediate_size") or target_cfg.intermediate_size,
         vocab_size=target_cfg.vocab_size, draft_vocab_size=len(d2t), rope_theta=rope_theta(target_cfg),
         rms_norm_eps=target_cfg.rms_norm_eps, kv_layers=list(kv_layers) if reads_kv else [],
-        gate_shape=v.get("gate_shape", "scalar"), gate_init=float(v.get("gate_init", 0.5)))
+        gate_shape=v.get("gate_shape", "scalar"), gate_init=float(v.get("gate_init", 0.5)),
+        qk_norm=bool(v.get("qk_norm", True)))
     model = build_drafter(dc)
     model.set_vocab(embed, d2t)
     if paradigm == "standalone" and target is not None:
@@ -205,12 +208,40 @@ def stop_deadline(runtime_minutes: float | None, margin_minutes: float, started:
 _NOT_FINGERPRINTED = ("stop_margin_minutes",)
 
 
-def _fingerprint(v: dict, cfg: dict, train_dir: str, target_dir: str) -> str:
-    """What a checkpoint must match to be resumed (a changed config starts afresh)."""
+def _fingerprint(v: dict, cfg: dict, rt: Runtime, train_dir: str, eval_dir: str, target_dir: str) -> str:
+    """What a checkpoint must match to be resumed: the config this stage reads and the content
+    of its inputs (a retrained target or recaptured features start afresh, at the same paths)."""
     v = {**v, "train": {k: x for k, x in v["train"].items() if k not in _NOT_FINGERPRINTED}}
-    key = {"variant": v, "seed": cfg["seed"], "drafters": {k: cfg["drafters"][k] for k in ("ttt_steps", "step_decay",
-           "draft_vocab_size")}, "train": str(train_dir), "target": str(target_dir)}
+    key = {"variant": v, "seed": cfg["seed"], "dtype": rt.dtype,
+           "drafters": {k: cfg["drafters"][k] for k in ("ttt_steps", "step_decay", "draft_vocab_size")},
+           "train": content_digest(Path(train_dir) / "index.json"), "eval": content_digest(Path(eval_dir) / "index.json"),
+           "target": folder_digest(target_dir)}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _set_aside(ckpt: Path, why: str) -> None:
+    """Move a checkpoint that must not be resumed out of the way (kept for inspection)."""
+    aside = ckpt.with_name(f"{ckpt.name}.{why}")
+    os.replace(ckpt, aside)
+    print(f"set aside {ckpt} as {aside.name} ({why}); training starts from step 0", flush=True)
+
+
+def _load_checkpoint(ckpt: Path, fp: str) -> dict | None:
+    """The checkpoint to resume from, or None: a missing, stale or unreadable one starts afresh."""
+    if not ckpt.exists():
+        return None
+    try:
+        saved = torch.load(ckpt, map_location="cpu", weights_only=False)   # wherever it was written
+        written_for = saved["progress"]["fingerprint"]
+    except Exception as exc:   # truncated or damaged: torch/pickle raise many kinds
+        print(f"{ckpt}: unreadable ({type(exc).__name__})", flush=True)
+        _set_aside(ckpt, "corrupt")
+        return None
+    if written_for != fp:
+        print(f"{ckpt}: written for other inputs or config", flush=True)
+        _set_aside(ckpt, "stale")
+        return None
+    return saved
 
 
 def _truncate(batch: dict[str, torch.Tensor], max_len: int) -> dict[str, torch.Tensor]:
@@ -270,24 +301,25 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     groups = param_groups(model)
 
     ckpt = Path(f"{out_dir}.ckpt") / "checkpoint.pt"
-    fp = _fingerprint(v, cfg, train_dir, target_dir)
+    fp = _fingerprint(v, cfg, rt, train_dir, eval_dir, target_dir)
     progress = {"step": 0, "epoch": 0, "cursor": 0, "log": [], "fingerprint": fp, "resumed_from": None,
                 "world_size": world}
     saved_step = None   # the step of the checkpoint on disk that this run would resume from
-    if ckpt.exists():
-        saved = torch.load(ckpt, map_location="cpu", weights_only=False)   # wherever it was written
-        if saved["progress"]["fingerprint"] == fp:
-            model.load_state_dict(saved["model"])
-            opt.load_state_dict(saved["optimizer"])
-            sched.load_state_dict(saved["scheduler"])
-            torch.set_rng_state(saved["torch_rng"])
-            random.setstate(saved["python_rng"])
-            progress = saved["progress"]
-            progress["resumed_from"] = saved_step = progress["step"]
-            progress.pop("stopped_by", None)
-            print(f"resuming {name} from step {progress['step']} ({ckpt})", flush=True)
-        else:
-            print(f"ignoring {ckpt}: it was written for another config", flush=True)
+    saved = _load_checkpoint(ckpt, fp) if rank == 0 else None
+    if world > 1:   # rank 0 decides (and sets aside); every rank then loads the same file or none
+        accel.wait_for_everyone()
+        resume = _any_rank(accel, saved is not None)[0]
+        saved = saved if rank == 0 else (torch.load(ckpt, map_location="cpu", weights_only=False) if resume else None)
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        torch.set_rng_state(saved["torch_rng"])
+        random.setstate(saved["python_rng"])
+        progress = saved["progress"]
+        progress["resumed_from"] = saved_step = progress["step"]
+        progress.pop("stopped_by", None)
+        print(f"resuming {name} from step {progress['step']} ({ckpt})", flush=True)
     ddp = model if world == 1 else torch.nn.parallel.DistributedDataParallel(model)
 
     def no_good_state() -> str:
@@ -379,5 +411,6 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
         metrics["eval"] = evaluate(model, eval_src, head_w, steps_k, tc["batch_size"], tc["eval_batches"],
                                    target if model.kv_attentions() else None, rt.dtype)
         model.save(out_dir, {"metrics.json": metrics, "train_log.json": progress["log"], "variant.json": v})
+        shutil.rmtree(ckpt.parent, ignore_errors=True)   # the drafter is saved: nothing left to resume
     accel.wait_for_everyone()
     return metrics
