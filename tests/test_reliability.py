@@ -151,3 +151,63 @@ def test_leftover_scratch_of_a_killed_writer_is_removed(tmp_path):
     write_json(tmp_path / "metrics.json", {"a": 1})
     assert not dead_dir.exists() and not dead_file.exists() and other.exists()
     assert (out / "a").read_text() == "1"
+
+
+# ---------------------------------------------------------------- integrity of stored files
+
+def _flip(path, offset: int, n: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset: offset + n] = bytes(b ^ 0xFF for b in data[offset: offset + n])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "zero"])
+def test_damaged_shard_is_one_line(tiny, tiny_features, tmp_path, damage):
+    import shutil
+
+    from kvshot.features import open_features
+    from kvshot.integrity import IntegrityError
+
+    folder = tmp_path / "eval"
+    shutil.copytree(tiny_features["eval"], folder)
+    shard = folder / json.loads((folder / "index.json").read_text())["shards"][0]
+    size = shard.stat().st_size
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[: size // 2])
+    elif damage == "flip":
+        _flip(shard, size // 2)
+    else:   # zeroed hidden states: same size, valid safetensors, wrong numbers
+        data = bytearray(shard.read_bytes())
+        data[size - 4096:] = bytes(4096)
+        shard.write_bytes(bytes(data))
+    src = open_features(folder)
+    with pytest.raises(IntegrityError) as err:
+        src.sample(0)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(str(shard)) and "rerun the stage" in msg, msg
+
+
+def test_damaged_weights_are_one_line(tiny, tiny_features, tmp_path):
+    import shutil
+
+    from kvshot.drafters import load_drafter
+    from kvshot.integrity import IntegrityError
+    from kvshot.target import load_target
+    from kvshot.train import build_variant, draft_vocab
+    from kvshot.features import open_features
+
+    target_dir = tmp_path / "target"
+    shutil.copytree(tiny["model"], target_dir)
+    target = load_target(target_dir, tiny["rt"])
+    d2t = draft_vocab(open_features(tiny_features["train"]), 64, target.config.vocab_size)
+    drafter = build_variant({"name": "kv", "paradigm": "kv", "layers": 1}, target.config,
+                            target.model.embed_tokens.weight.detach(), d2t)
+    drafter.save(tmp_path / "drafter")
+    load_drafter(tmp_path / "drafter")   # intact: loads
+    _flip(tmp_path / "drafter/model.safetensors", 200)
+    with pytest.raises(IntegrityError, match=r"drafter/model.safetensors: checksum mismatch"):
+        load_drafter(tmp_path / "drafter")
+    weights = target_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(IntegrityError, match=r"target/model.safetensors: \d+ bytes where \d+ were written"):
+        load_target(target_dir, tiny["rt"])

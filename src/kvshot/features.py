@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from .config import FeatureSpec, Runtime, feature_spec
 from .data import read_jsonl, tokenize_conversation
+from .integrity import file_record, verify_file
 from .io import atomic_dir, read_json, write_json
 from .shard_writer import ShardWriter
 from .target import load_target, target_forward
@@ -142,6 +143,8 @@ def capture_split(cfg: dict, rt: Runtime, split_jsonl: str, target_dir: str, out
             "feature_bytes_per_token": feature_bytes_per_token(spec, model.config),
             "capture_seconds": time.perf_counter() - start,   # the capture loop: forwards and writes
             "shards": writer.shards,
+            # size and sha256 per shard: a reader checks a shard the first time it opens it
+            "shard_checksums": {name: file_record(tmp / name) for name in writer.shards},
             "samples": [writer.locations[i] for i in range(len(samples))],
         }
         write_json(tmp / INDEX, index)
@@ -208,7 +211,10 @@ class _Tokens:
     def _read(self, i: int, names) -> dict[str, Tensor]:
         shard, start, n = self.index["samples"][i]
         if shard not in self._handles:
-            self._handles[shard] = safe_open(str(self.folder / self.index["shards"][shard]), framework="pt")
+            name = self.index["shards"][shard]
+            if "shard_checksums" in self.index:   # indexes written before checksums have none
+                verify_file(self.folder / name, self.index["shard_checksums"][name])
+            self._handles[shard] = safe_open(str(self.folder / name), framework="pt")
         h = self._handles[shard]
         return {k: h.get_slice(k)[start: start + n] for k in names}
 

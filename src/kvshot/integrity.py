@@ -17,7 +17,7 @@ from .data import DataError
 
 MANIFEST = "checksums.json"
 _CHUNK = 8 << 20
-_verified: set[tuple[str, str]] = set()   # (path, digest) pairs already hashed by this process
+_verified: set[tuple] = set()   # files (path, digest, stat) already hashed by this process
 
 
 class IntegrityError(DataError):
@@ -48,13 +48,14 @@ def write_manifest(folder: str | Path, names: list[str] | None = None) -> dict:
 
 def verify_file(path: str | Path, record: dict) -> None:
     path = Path(path)
-    key = (str(path.resolve()), record["sha256"])
-    if key in _verified:
-        return
     try:
-        size = os.path.getsize(path)
+        st = os.stat(path)
     except OSError as exc:
         raise IntegrityError(f"{path}: cannot read ({exc.strerror}); rerun the stage that writes it") from None
+    size = st.st_size
+    key = (str(path.resolve()), record["sha256"], st.st_ino, size, st.st_mtime_ns)   # rewritten files: hashed again
+    if key in _verified:
+        return
     if size != record["bytes"]:
         raise IntegrityError(f"{path}: {size} bytes where {record['bytes']} were written (truncated or "
                              f"overwritten); delete it and rerun the stage that writes it")

@@ -15,6 +15,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from .config import Runtime
 from .data import encode_prompt, read_jsonl, tokenize_conversation
+from .integrity import verify_folder, write_manifest
 from .io import atomic_dir, read_json, write_json
 from .tokenizer import load_tokenizer
 
@@ -36,6 +37,7 @@ def build_target(arch: dict, vocab_size: int, pad_id: int, attn: str = "sdpa") -
 
 def load_target(target_dir: str | Path, rt: Runtime, attn: str = "auto") -> Qwen3ForCausalLM:
     """Load what the `target` stage wrote: local weights, or the hub id it names."""
+    verify_folder(target_dir)   # a damaged weights file fails here, in one line naming it
     meta = read_json(Path(target_dir) / META_FILE)
     weights = str(target_dir) if meta["source"] == "pretrain" else meta["name"]
     model = Qwen3ForCausalLM.from_pretrained(
@@ -169,6 +171,7 @@ def run_target_stage(cfg: dict, rt: Runtime, train_jsonl: str, eval_jsonl: str,
                     num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
                     parameters=sum(p.numel() for p in model.parameters()))
         write_json(Path(tmp) / META_FILE, meta)
+        write_manifest(tmp)   # weights (pretrained here), tokenizer and meta: checked when loaded
         loss = heldout_loss(model, eval_blocks, pcfg.get("batch_size", 4), rt.device)
         metrics.update(meta)
         metrics.update(heldout_loss=loss, heldout_ppl=math.exp(min(loss, 50.0)),

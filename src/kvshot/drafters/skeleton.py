@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from ..integrity import verify_folder, write_manifest
 from ..io import atomic_dir, write_json
-from .block_attention import block_attention, flash_attention
+from .attention import attention
 from .fused import rms_norm
 
 
@@ -45,13 +46,28 @@ class DrafterConfig:
     kv_layers: list[int] = field(default_factory=list)   # target layer read by each KV-path layer
     gate_shape: str = "scalar"         # hybrid: scalar | channel
     gate_init: float = 0.5             # hybrid: initial g = sigmoid(gate_logit)
+    qk_norm: bool = True               # Qwen3's q/k RMSNorm; False: a Llama-style layer (EAGLE-3's)
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=2))
+        # HF-style self-description first (docs/drafter_format.md), then the fields
+        meta = {"architectures": [f"KVShot{self.paradigm.capitalize()}Drafter"], "model_type": DRAFTER_MODEL_TYPE,
+                "format_version": DRAFTER_FORMAT_VERSION}
+        path.write_text(json.dumps({**meta, **asdict(self)}, indent=2))
 
     @classmethod
     def load(cls, path: Path) -> "DrafterConfig":
-        return cls(**json.loads(path.read_text()))
+        """Reads what `save` writes, and older files (no metadata keys, no qk_norm: q/k norm on)."""
+        raw = json.loads(Path(path).read_text())
+        for key in ("architectures", "model_type", "format_version"):
+            raw.pop(key, None)
+        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"{path}: unknown field(s) {unknown} for a kvshot drafter config")
+        return cls(**raw)
+
+
+DRAFTER_MODEL_TYPE = "kvshot_drafter"
+DRAFTER_FORMAT_VERSION = 1
 
 
 def compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
@@ -134,7 +150,7 @@ def stacked(keys: list[Keys]) -> Diagonal | None:
 
 
 class Attention(nn.Module):
-    """Qwen3-style attention (q/k norm, RoPE, GQA) over prefix + diagonal keys."""
+    """Qwen3-style attention (q/k norm unless cfg.qk_norm is False, RoPE, GQA) over prefix + diagonal keys."""
 
     def __init__(self, in_dim: int, cfg: DrafterConfig):
         super().__init__()
@@ -144,8 +160,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        # per-head q/k RMSNorm (Qwen3); without it the layer is Llama's, as EAGLE-3's is
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.last_query: Tensor | None = None   # pre-RoPE normed query, for the query-error diagnostic
 
     def project(self, x: Tensor, rot: Rotary) -> tuple[Tensor, Keys]:
@@ -172,19 +189,9 @@ class Attention(nn.Module):
         dt = compute_dtype(q.device.type, q.dtype)
         q, pk, pv = q.to(dt), prefix.k.to(dt), prefix.v.to(dt)
         dk, dv = (None, None) if dk is None else (dk.to(dt), dv.to(dt))
-        if FLASH_ON_CPU and q.device.type == "cpu" and dt == torch.float32:
-            out = flash_attention(q, pk, pv, dk, dv, mask.flash_blocks(), steps, 1.0 / math.sqrt(d))
-            return self.o_proj(out.transpose(1, 2).reshape(b, tq, h * d))   # a view: the kernel writes [B, Tq, H, D]
-        qg = (q * (1.0 / math.sqrt(d))).view(b, self.n_kv, h // self.n_kv, tq, d)
-        bias = mask.bias
-        outs = []
-        rows = (slice(None),) * (2 if steps else 3)   # the diagonal keys' row dim
-        for r0, r1, k0, k1 in mask.blocks:   # with steps in rows, blocks hold whole anchors
-            outs.append(block_attention(qg[:, :, :, r0:r1], pk[:, :, k0:k1], pv[:, :, k0:k1],
-                                        bias[:, :, :, r0:r1, k0:k1], None if dk is None else dk[rows + (slice(r0, r1),)],
-                                        None if dv is None else dv[rows + (slice(r0, r1),)], steps))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
-        return self.o_proj(out.reshape(b, h, tq, d).transpose(1, 2).reshape(b, tq, h * d))
+        # the configured backend (`drafters.attention`; auto: per device and dtype), see `attention`
+        out = attention(q, pk, pv, mask, dk, dv, steps, 1.0 / math.sqrt(d))
+        return self.o_proj(out.transpose(1, 2).reshape(b, tq, h * d))   # a view when it wrote [B, Tq, H, D]
 
 
 @dataclass
@@ -196,6 +203,13 @@ class PrefixMask:
     bias: Tensor                               # [B, 1, 1, Tq, Tp]: 0 where visible, -inf elsewhere
     blocks: list[tuple[int, int, int, int]]    # (first row, end row, first key, end key)
     _flash: list | None = field(default=None, repr=False)
+    cache: dict = field(default_factory=dict, repr=False)   # a backend's per-step masks, shared by the layers
+
+    def visible(self) -> Tensor:
+        """[B, Tq, Tp] bool: the keys each row sees (built once)."""
+        if "visible" not in self.cache:
+            self.cache["visible"] = self.bias[:, 0, 0] == 0
+        return self.cache["visible"]
 
     def spread(self, steps: int) -> "PrefixMask":
         """Each row as `steps` consecutive rows that see the same keys."""
@@ -220,7 +234,6 @@ class PrefixMask:
 # here run as one block: a fused kernel call costs more than the invisible keys it would skip
 # in a short block; past it, blocks skip the keys past their last anchor.
 BLOCK_ROWS: int | None = 512
-FLASH_ON_CPU = True             # fp32 on CPU: PyTorch's fused flash kernel for the prefix keys
 
 
 def prefix_mask(visible: Tensor, dtype: torch.dtype, segments: list[tuple[int, int]] | None = None,
@@ -441,12 +454,14 @@ class Drafter(nn.Module):
                       str(tmp / "model.safetensors"))
             for name, obj in (extra_files or {}).items():
                 write_json(tmp / name, obj)
+            write_manifest(tmp, ["config.json", "model.safetensors"])   # checked in full on load
 
 
 def load_drafter(folder: str | Path, device: str = "cpu") -> Drafter:
     from . import build_drafter
 
     folder = Path(folder)
+    verify_folder(folder)   # a damaged weights file fails here, in one line naming it
     model = build_drafter(DrafterConfig.load(folder / "config.json"))
     model.load_state_dict(load_file(str(folder / "model.safetensors")))   # saved on the CPU, wherever trained
     return model.to(device)
