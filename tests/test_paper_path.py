@@ -38,6 +38,7 @@ VARIANTS = ("eagle3", "kv-d1", "kv-d2", "kv-d4", "hybrid", "standalone")
 
 @pytest.mark.slow
 def test_paper_config_runs_end_to_end_on_cpu(tmp_path):
+    (tmp_path / "run").mkdir()
     wd = workdir(tmp_path / "run")
     home = tmp_path / "hf_home"
     env = {**os.environ, **offline_env(build_hub_cache(home), home)}

@@ -1,6 +1,6 @@
 rule capture_features:
     input:
-        split="results/data/{split}.jsonl",
+        split=split_jsonl,
         target="results/target/model",
     output:
         directory("results/features/{split}"),
