@@ -47,12 +47,31 @@ def _cmd_capture_features(args, cfg) -> dict:
 def _cmd_train_drafter(args, cfg) -> dict:
     from .train import STOP_EXIT_CODE, StoppedForRuntime, train_variant
 
+    entry = next((v for v in cfg["drafters"]["variants"] if v["name"] == args.variant), {})
+    if entry.get("weights"):   # a published head (variant `weights:`): imported, not trained
+        from .export import import_variant
+
+        return import_variant(cfg, args.variant, args.target, args.train_features, args.out)
     try:
         m = train_variant(cfg, runtime(cfg), args.variant, args.train_features, args.eval_features, args.target,
                           args.out, args.runtime_minutes)
     except StoppedForRuntime:   # checkpointed before the job's limit: a distinct code, so a retry resumes
         sys.exit(STOP_EXIT_CODE)
     return {k: m.get(k) for k in ("variant", "steps", "stopped_by", "train_seconds", "eval")}
+
+
+def _cmd_export(args, cfg) -> dict:
+    from .export import export_eagle3
+
+    # the features' aux layers; None: EAGLE-3's default for the target's depth (with --target)
+    aux = cfg.get("features", {}).get("aux_layers")
+    return export_eagle3(args.drafter, args.out, args.target, aux, args.dtype)
+
+
+def _cmd_import(args, cfg) -> dict:
+    from .export import import_eagle3
+
+    return import_eagle3(args.checkpoint, args.target, args.out)
 
 
 def _cmd_target_continuations(args, cfg) -> dict:
@@ -109,6 +128,8 @@ STAGES = {
     "report": (_cmd_report, ("drafters",)),
     "scaling-report": (_cmd_scaling_report, ("drafters", "scaling")),
     "readme": (_cmd_readme, ("drafters",)),
+    "export": (_cmd_export, ("features",)),
+    "import": (_cmd_import, ()),
 }
 
 
@@ -148,6 +169,22 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--results", default="results")
     s.add_argument("--readme", default="README.md")
     s.add_argument("--image", default="docs/decay.png")
+    # EAGLE-3 checkpoints (kvshot.export); --config optional: only features.aux_layers is read
+    s = sub.add_parser("export", help="write a drafter as a checkpoint serving engines load")
+    s.add_argument("drafter")
+    s.add_argument("out")
+    s.add_argument("--format", choices=["eagle3"], required=True)
+    s.add_argument("--target", default=None, help="the target folder: max positions, aux layers, checks")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    s.add_argument("--config", action="append", default=None)
+    s.add_argument("--threads", type=int, default=None)
+    s = sub.add_parser("import", help="read an EAGLE-3 checkpoint folder into a kvshot drafter")
+    s.add_argument("checkpoint")
+    s.add_argument("out")
+    s.add_argument("--format", choices=["eagle3"], required=True)
+    s.add_argument("--target", required=True, help="the target folder (its embedding fills the drafter's)")
+    s.add_argument("--config", action="append", default=None)
+    s.add_argument("--threads", type=int, default=None)
     return p
 
 
@@ -166,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     fn, sections = STAGES[args.stage]
     try:
-        cfg = read_config(args.config, sections)
+        cfg = read_config(args.config, sections) if args.config else {}   # export/import: config optional
         if args.threads is not None:
             cfg["threads"] = args.threads
         summary = fn(args, cfg)

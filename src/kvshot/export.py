@@ -1,0 +1,302 @@
+"""Drafters that leave the lab: the EAGLE-3 checkpoint format serving engines load, both ways.
+
+An EAGLE-3 checkpoint, as SGLang (`LlamaForCausalLMEagle3`) and vLLM (`Eagle3LlamaForCausalLM`)
+load it, is a folder with a Llama-style `config.json` and `model.safetensors` holding one
+decoder layer named `midlayer.*`, the fusion `fc`, the final `norm`, the draft-vocabulary
+`lm_head`, `d2t` and `t2d`. Two conventions differ from kvshot's own folder
+(docs/drafter_format.md):
+  - `d2t` holds OFFSETS, d2t[i] = target_id(i) - i; kvshot stores the target ids themselves.
+    A verbatim copy would load without error and draft the wrong tokens.
+  - the token embedding is not in the checkpoint: engines share the target's, as kvshot's
+    frozen embedding is the target's; importing needs the target to fill it.
+Only kvshot's hidden-only drafter with one layer and no q/k norm (the `eagle3` variant) has
+this form; `export_eagle3` refuses anything else in one line.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from .data import DataError
+from .drafters import DrafterConfig, build_drafter, load_drafter
+from .drafters.hidden import HiddenDrafter
+from .io import atomic_dir, read_json, write_json
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+# kvshot HiddenDrafter parameter -> EAGLE-3 checkpoint tensor (one decoder layer)
+EAGLE3_NAMES = {
+    "fc.weight": "fc.weight",
+    "input_norm.weight": "midlayer.input_layernorm.weight",      # the token embedding's norm
+    "hidden_norm.weight": "midlayer.hidden_norm.weight",          # the carried hidden state's norm
+    "layers.0.self_attn.q_proj.weight": "midlayer.self_attn.q_proj.weight",
+    "layers.0.self_attn.k_proj.weight": "midlayer.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight": "midlayer.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight": "midlayer.self_attn.o_proj.weight",
+    "layers.0.mlp_norm.weight": "midlayer.post_attention_layernorm.weight",
+    "layers.0.mlp.gate_proj.weight": "midlayer.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight": "midlayer.mlp.up_proj.weight",
+    "layers.0.mlp.down_proj.weight": "midlayer.mlp.down_proj.weight",
+    "norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+EAGLE3_TENSORS = sorted([*EAGLE3_NAMES.values(), "d2t", "t2d"])
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class FormatError(DataError, ValueError):
+    """A drafter or checkpoint that the requested format cannot hold (one line, naming it)."""
+
+
+# ---------------------------------------------------------------- the target's side
+
+def target_folder(target_dir: str | Path) -> Path:
+    """A folder with the target's config.json and weights: what the `target` stage wrote, or
+    the hub snapshot it names (from the local HF cache, as every stage loads it)."""
+    target_dir = Path(target_dir)
+    meta_file = target_dir / "kvshot_target.json"
+    if not meta_file.is_file() or read_json(meta_file).get("source") == "pretrain":
+        return target_dir
+    from huggingface_hub import snapshot_download
+
+    meta = read_json(meta_file)
+    return Path(snapshot_download(meta["name"], revision=meta.get("revision"),
+                                  allow_patterns=["config.json", "*.safetensors", "*.safetensors.index.json"]))
+
+
+def target_config(target_dir: str | Path) -> dict:
+    path = target_folder(target_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no target config.json")
+    return json.loads(path.read_text())
+
+
+def target_embedding(target_dir: str | Path) -> Tensor:
+    """The target's input embedding [V, H] in fp32, read alone from its safetensors."""
+    folder = target_folder(target_dir)
+    name = "model.embed_tokens.weight"
+    index = folder / "model.safetensors.index.json"
+    shard = folder / (json.loads(index.read_text())["weight_map"][name] if index.is_file() else "model.safetensors")
+    with safe_open(str(shard), framework="pt") as fh:
+        if name not in fh.keys():
+            raise FormatError(f"{shard}: no {name} (the target's embedding)")
+        return fh.get_tensor(name).float()
+
+
+# ---------------------------------------------------------------- export
+
+def check_exportable(drafter, where: str) -> None:
+    cfg = drafter.cfg
+    if type(drafter) is not HiddenDrafter:
+        raise FormatError(f"{where}: paradigm {cfg.paradigm!r}: the eagle3 format holds hidden-only drafters only "
+                          "(KV-path drafters keep kvshot's folder format, docs/drafter_format.md)")
+    if cfg.num_layers != 1:
+        raise FormatError(f"{where}: num_layers {cfg.num_layers}: the eagle3 format holds one decoder layer "
+                          "(SGLang and vLLM name further layers differently)")
+    if cfg.qk_norm:
+        raise FormatError(f"{where}: qk_norm true: LlamaForCausalLMEagle3 has no q/k norm; train the variant "
+                          "with qk_norm: false")
+    if cfg.num_aux != 3:
+        raise FormatError(f"{where}: num_aux {cfg.num_aux}: EAGLE-3 fuses three target hidden states")
+
+
+def eagle3_tensors(drafter: HiddenDrafter, dtype: torch.dtype) -> dict[str, Tensor]:
+    """The checkpoint's tensors: weights renamed and cast, d2t as offsets, t2d as a bool mask."""
+    own = drafter.state_dict()
+    out = {theirs: own[ours].detach().to(dtype).contiguous().cpu() for ours, theirs in EAGLE3_NAMES.items()}
+    d2t = drafter.d2t.detach().cpu().long()
+    out["d2t"] = d2t - torch.arange(len(d2t))
+    out["t2d"] = drafter.t2d.detach().cpu().bool().contiguous()
+    return out
+
+
+def eagle3_config(cfg: DrafterConfig, dtype: str, max_position_embeddings: int,
+                  aux_layers: list[int] | None) -> dict:
+    """A Llama-style HF config as SpecForge writes it for a Qwen3 target (SGLang and vLLM read
+    the same keys); `eagle_config` names the target layers the head fuses (HF hidden_states
+    indices, vLLM's convention), omitted when unknown (engines then use EAGLE-3's default)."""
+    config = {
+        "architectures": [EAGLE3_ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "target_hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
+    if aux_layers is not None:
+        config["eagle_config"] = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(aux_layers)}
+    return config
+
+
+def export_eagle3(drafter_dir: str | Path, out_dir: str | Path, target_dir: str | Path | None = None,
+                  aux_layers: list[int] | None = None, dtype: str = "float32",
+                  max_position_embeddings: int | None = None) -> dict:
+    """Write `drafter_dir` (a kvshot drafter folder) as an EAGLE-3 checkpoint. With `target_dir`
+    the config takes the target's max_position_embeddings and the EAGLE-3 default aux layers
+    for its depth (unless `aux_layers` are given), and the drafter is checked against it."""
+    from .config import eagle3_aux_layers
+
+    drafter = load_drafter(drafter_dir)
+    check_exportable(drafter, f"{drafter_dir}/config.json")
+    if dtype not in DTYPES:
+        raise FormatError(f"--dtype {dtype}: one of {sorted(DTYPES)}")
+    if target_dir is not None:
+        tc = target_config(target_dir)
+        for key, ours in (("hidden_size", drafter.cfg.hidden_size), ("vocab_size", drafter.cfg.vocab_size)):
+            if tc.get(key) != ours:
+                raise FormatError(f"{target_dir}/config.json: {key} {tc.get(key)} is not the drafter's {ours}")
+        if aux_layers is None:
+            aux_layers = list(eagle3_aux_layers(tc["num_hidden_layers"]))
+        max_position_embeddings = max_position_embeddings or tc.get("max_position_embeddings")
+    max_position_embeddings = max_position_embeddings or 32768
+    if aux_layers is not None and len(set(aux_layers)) != 3:
+        raise FormatError(f"aux layers {list(aux_layers)}: EAGLE-3 fuses three distinct target layers "
+                          "(set features.aux_layers)")
+    tensors = eagle3_tensors(drafter, DTYPES[dtype])
+    config = eagle3_config(drafter.cfg, dtype, int(max_position_embeddings), aux_layers)
+    with atomic_dir(out_dir) as tmp:
+        write_json(tmp / "config.json", config)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return {"out": str(out_dir), "architecture": EAGLE3_ARCHITECTURE, "tensors": len(tensors), "dtype": dtype,
+            "draft_vocab_size": drafter.cfg.draft_vocab_size, "aux_layers": aux_layers}
+
+
+# ---------------------------------------------------------------- import
+
+def read_eagle3(ckpt_dir: str | Path) -> tuple[dict, dict[str, Tensor]]:
+    """config.json and every tensor of an EAGLE-3 checkpoint folder: model.safetensors (one file
+    or index-sharded) or pytorch_model.bin (as EAGLE's own published heads ship)."""
+    folder = Path(ckpt_dir)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}/config.json: missing (not an EAGLE-3 checkpoint folder)")
+    config = json.loads((folder / "config.json").read_text())
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        tensors = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            tensors.update(load_file(str(folder / shard)))
+    elif (folder / "model.safetensors").is_file():
+        tensors = load_file(str(folder / "model.safetensors"))
+    elif (folder / "pytorch_model.bin").is_file():
+        tensors = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"{folder}: no model.safetensors or pytorch_model.bin")
+    return config, tensors
+
+
+def drafter_config_from_eagle3(config: dict, where: str) -> DrafterConfig:
+    arch = config.get("architectures") or []
+    if not any("Eagle3" in a for a in arch):
+        raise FormatError(f"{where}: architectures {arch}: not an EAGLE-3 checkpoint (want {EAGLE3_ARCHITECTURE})")
+    if config.get("num_hidden_layers", 1) != 1:
+        raise FormatError(f"{where}: num_hidden_layers {config['num_hidden_layers']}: kvshot imports one-layer heads")
+    h = config["hidden_size"]
+    if config.get("target_hidden_size", h) != h:
+        raise FormatError(f"{where}: target_hidden_size {config['target_hidden_size']} differs from hidden_size {h}: "
+                          "kvshot's drafter shares the target's width")
+    rope = config.get("rope_scaling") or (config.get("rope_parameters") or {})
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise FormatError(f"{where}: rope type {rope.get('rope_type', rope.get('type'))!r}: kvshot implements default RoPE")
+    theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    heads = config["num_attention_heads"]
+    return DrafterConfig(
+        paradigm="hidden", hidden_size=h, num_layers=1, num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads", heads), head_dim=config.get("head_dim") or h // heads,
+        intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+        draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"], rope_theta=float(theta),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), qk_norm=False)
+
+
+def drafter_from_eagle3(config: dict, tensors: dict[str, Tensor], embed: Tensor, where: str = "checkpoint") -> HiddenDrafter:
+    """A kvshot HiddenDrafter with the checkpoint's weights. `embed`: the target's embedding,
+    unless the checkpoint carries its own (`embed_tokens.weight`, which then wins)."""
+    cfg = drafter_config_from_eagle3(config, f"{where}/config.json")
+    tensors = {k.removeprefix("model."): v for k, v in tensors.items()}   # some heads prefix every name
+    missing = sorted(set(EAGLE3_NAMES.values()) - set(tensors))
+    if missing:
+        raise FormatError(f"{where}: tensors {missing} missing (an EAGLE-3 head has {sorted(EAGLE3_NAMES.values())})")
+    model = build_drafter(cfg)
+    own = {ours: tensors[theirs].float() for ours, theirs in EAGLE3_NAMES.items()}
+    if "d2t" in tensors:
+        d2t = tensors["d2t"].long() + torch.arange(cfg.draft_vocab_size)   # offsets -> target ids
+    elif cfg.draft_vocab_size == cfg.vocab_size:
+        d2t = torch.arange(cfg.vocab_size)
+    else:
+        raise FormatError(f"{where}: no d2t for a draft vocabulary of {cfg.draft_vocab_size} < {cfg.vocab_size}")
+    if len(d2t) != cfg.draft_vocab_size or int(d2t.min()) < 0 or int(d2t.max()) >= cfg.vocab_size:
+        raise FormatError(f"{where}: d2t does not map {cfg.draft_vocab_size} draft ids into 0..{cfg.vocab_size - 1}")
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[d2t] = True
+    if "t2d" in tensors and not torch.equal(tensors["t2d"].bool(), t2d):
+        raise FormatError(f"{where}: t2d does not mark exactly the targets of d2t")
+    embed = tensors.get("embed_tokens.weight", embed).float()
+    if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise FormatError(f"{where}: the embedding is {tuple(embed.shape)}, the head needs ({cfg.vocab_size}, {cfg.hidden_size})")
+    result = model.load_state_dict({**own, "embed_tokens.weight": embed, "d2t": d2t, "t2d": t2d}, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    return model
+
+
+def import_eagle3(ckpt_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
+                  extra_files: dict | None = None) -> dict:
+    """Read an EAGLE-3 checkpoint folder into a kvshot drafter folder (`load_drafter` reads it)."""
+    config, tensors = read_eagle3(ckpt_dir)
+    tc = target_config(target_dir)
+    for key in ("hidden_size", "vocab_size"):
+        if config.get(key) != tc.get(key):
+            raise FormatError(f"{ckpt_dir}/config.json: {key} {config.get(key)} is not the target's {tc.get(key)} "
+                              f"({target_dir})")
+    embed = None if "embed_tokens.weight" in tensors else target_embedding(target_dir)
+    model = drafter_from_eagle3(config, tensors, embed, str(ckpt_dir))
+    aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    source = {"imported_from": str(ckpt_dir), "format": "eagle3", "aux_layers": aux,
+              "own_embedding": "embed_tokens.weight" in tensors}
+    model.save(out_dir, {"import.json": source, **(extra_files or {})})
+    return {"out": str(out_dir), **source, "draft_vocab_size": model.cfg.draft_vocab_size}
+
+
+def import_variant(cfg: dict, name: str, target_dir: str, features_dir: str, out_dir: str) -> dict:
+    """The `train-drafter` stage for a variant whose weights come from a path: import, no
+    training. The head must fuse the target layers the features hold (eval reads those)."""
+    from .train import variant_config
+
+    v = variant_config(cfg, name)
+    where = f"config: drafters.variants.{name}"
+    if v.get("format", "eagle3") != "eagle3" or v["paradigm"] != "hidden" or v["layers"] != 1:
+        raise FormatError(f"{where}: weights: only a one-layer hidden-paradigm head in format eagle3 can be imported")
+    head_config = Path(v["weights"]) / "config.json"
+    if not head_config.is_file():
+        raise FileNotFoundError(f"{where}.weights: {head_config} missing (not an EAGLE-3 checkpoint folder)")
+    aux = (json.loads(head_config.read_text()).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    index = Path(features_dir) / "index.json"
+    held = read_json(index)["spec"]["aux_layers"] if index.is_file() else None
+    if aux is not None and held is not None and list(aux) != list(held):
+        raise FormatError(f"{where}.weights: the head fuses target layers {list(aux)}, the features hold {list(held)} "
+                          "(set features.aux_layers to match)")
+    metrics = {"variant": name, "paradigm": "hidden", "layers": 1, "steps": 0, "stopped_by": "imported",
+               "imported_from": v["weights"], "train_seconds": 0.0}
+    # the files a trained drafter's folder has (the report reads them); no training log
+    summary = import_eagle3(v["weights"], target_dir, out_dir,
+                            {"metrics.json": metrics, "train_log.json": [], "variant.json": v})
+    return {**metrics, "draft_vocab_size": summary["draft_vocab_size"]}

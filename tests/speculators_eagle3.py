@@ -1,0 +1,59 @@
+"""Runs inside the speculators venv (tests/speculators_env.py), never imports kvshot.
+
+Converts an EAGLE-3 checkpoint with speculators' own converter, loads the result with its
+Eagle3DraftModel (the token embedding comes from the verifier folder, as in serving), runs
+its TTT forward on the given inputs and saves the draft logits of every step.
+
+usage: speculators_eagle3.py CHECKPOINT VERIFIER INPUTS WORKDIR OUT STEPS AUX_IDS
+  INPUTS: safetensors with hidden_states [1, T, 3H], input_ids [1, T], position_ids [1, T]
+  OUT: safetensors with logits [STEPS, T, N], d2t, t2d, embed; metadata: the converted names
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from speculators.convert.eagle import Eagle3Converter
+from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+
+def main(checkpoint, verifier, inputs, workdir, out, steps, aux_ids):
+    converted = Path(workdir) / "speculators"
+    # the converter does not read the checkpoint's eagle_config: the aux layers are an argument
+    Eagle3Converter().convert(checkpoint, converted, base_model=verifier, validate=True,
+                              eagle_aux_hidden_state_layer_ids=[int(i) for i in aux_ids.split(",")])
+    config = Eagle3SpeculatorConfig.from_pretrained(converted)
+    config.transformer_layer_config._attn_implementation = "eager"   # dense masks on CPU, no flex kernels
+    model = Eagle3DraftModel.from_pretrained(converted, config=config).float().eval()
+    # speculators 0.9.0 bug: a checkpoint without embed_tokens (SGLang's and vLLM's format: the
+    # engines share the target's) gets the verifier's embedding only if the uninitialized memory
+    # holds a NaN. _init_vocab fills NaN as its "not loaded" sentinel, but transformers 5.x builds
+    # the model on the meta device, so the fill never happens and the missing tensor is
+    # materialized from torch.empty. Load it from the verifier unconditionally, as intended.
+    embedding_was_loaded = verifier_embedding_equals(model, verifier)
+    model._load_verifier_weights(overwrite_embed_tokens=True)
+    x = load_file(inputs)
+    logits = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, output: logits.append(output.detach().float()))
+    with torch.no_grad():
+        model(hidden_states=x["hidden_states"].float(), input_ids=x["input_ids"].long(),
+              document_ids=torch.zeros_like(x["input_ids"]), position_ids=x["position_ids"].long(),
+              ttt_steps=int(steps))
+    hook.remove()
+    with safe_open(str(converted / "model.safetensors"), framework="pt") as fh:
+        names = sorted(fh.keys())
+    save_file({"logits": torch.cat(logits).contiguous(), "d2t": model.d2t.contiguous(), "t2d": model.t2d.contiguous(),
+               "embed": model.embed_tokens.weight.detach().contiguous()},
+              out, metadata={"converted_names": json.dumps(names), "model_class": type(model).__name__,
+                             "embedding_loaded_by_from_pretrained": str(embedding_was_loaded)})
+
+
+def verifier_embedding_equals(model, verifier) -> bool:
+    with safe_open(str(Path(verifier) / "model.safetensors"), framework="pt") as fh:
+        return torch.equal(model.embed_tokens.weight.detach(), fh.get_tensor("model.embed_tokens.weight").float())
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:8])

@@ -1,0 +1,33 @@
+# Drafters that leave the lab: a faithful EAGLE-3 variant (hidden-only, one layer, qk_norm:
+# false) written as the checkpoint SGLang's LlamaForCausalLMEagle3 and vLLM's Eagle3 loader read
+# (kvshot.export, docs/drafter_format.md). Not part of `all`; ask for it:
+#   snakemake --cores all results/export/eagle3
+
+EXPORTABLE = [v["name"] for v in config["drafters"]["variants"]
+              if v["paradigm"] == "hidden" and v["layers"] == 1 and v.get("qk_norm") is False
+              and not v.get("weights")]
+
+
+rule export_eagle3:
+    input:
+        drafter="results/drafters/{variant}",
+        target="results/target/model",
+    output:
+        directory("results/export/{variant}"),
+    wildcard_constraints:
+        variant="|".join(EXPORTABLE) or "(?!)",   # (?!): none to export
+    params:
+        cfg=stage_params("features"),   # features.aux_layers: the layers the head fuses
+    log:
+        log_path("export_eagle3", "_{variant}"),
+    benchmark:
+        bench_path("export_eagle3", "_{variant}")
+    conda:
+        CPU_ENV
+    threads: 1
+    resources:
+        mem_mb=8000,   # the fp32 drafter with its copy of the target's embedding (Qwen3-8B: ~3 GB)
+        runtime=30,
+    shell:
+        "python -m kvshot export --format eagle3 --config {params.cfg:q} --threads {threads}"
+        " --target {input.target} {input.drafter} {output} > {log} 2>&1"
