@@ -52,6 +52,14 @@ def variant_params(*sections):
     return params
 
 
+def split_jsonl(wildcards):
+    """The split file a features job reads: for train, the target's own answers when
+    data.regenerate.enabled; the prepared split otherwise."""
+    if wildcards.split == "train" and config["data"].get("regenerate", {}).get("enabled", False):
+        return "results/data/regenerated/train.jsonl"
+    return f"results/data/{wildcards.split}.jsonl"
+
+
 def log_path(rule_name, suffix=""):
     return f"logs/{rule_name}{suffix}.log"
 

@@ -1,14 +1,6 @@
 # Optional (data.regenerate): the target rewrites the training answers, as EAGLE-3 and
 # SpecForge train their drafters. Nothing reads results/data/regenerated/train.jsonl unless a
-# rule takes its split through split_jsonl (capture_features: `split=split_jsonl,`).
-
-
-def split_jsonl(wildcards):
-    """The split file a features job reads: for train, the target's own answers when
-    data.regenerate.enabled; the prepared split otherwise."""
-    if wildcards.split == "train" and config["data"].get("regenerate", {}).get("enabled", False):
-        return "results/data/regenerated/train.jsonl"
-    return f"results/data/{wildcards.split}.jsonl"
+# rule takes its split through split_jsonl (common.smk; capture_features: `split=split_jsonl,`).
 
 
 rule regenerate_data:
