@@ -35,8 +35,10 @@ def _save(fig, path: str | Path) -> None:
 
 
 def _err(values, cis):
-    lo = [v - c[0] if None not in (v, c[0]) else 0 for v, c in zip(values, cis)]
-    hi = [c[1] - v if None not in (v, c[1]) else 0 for v, c in zip(values, cis)]
+    """Error-bar lengths; a percentile interval may leave out the pooled point estimate, so a
+    side past the point draws as zero length instead of failing."""
+    lo = [max(0.0, v - c[0]) if None not in (v, c[0]) else 0 for v, c in zip(values, cis)]
+    hi = [max(0.0, c[1] - v) if None not in (v, c[1]) else 0 for v, c in zip(values, cis)]
     return [lo, hi]
 
 
