@@ -122,7 +122,7 @@ def test_malformed_records_are_counted(tmp_path):
         assert len(convs) == 2
         assert stats.to_dict() == {"source": str(path), "read": 8, "kept": 2, "skipped": {
             "empty_turn": 1, "missing_field": 1, "no_assistant": 1, "non_utf8": 1,
-            "unknown_role": 1, "wrong_type": 1}}
+            "unknown_role": 1, "wrong_type": 1}, "duplicates_removed": 0}
 
 
 @pytest.mark.parametrize("content,what", [
@@ -514,6 +514,50 @@ def test_prepare_data_streams_the_reference_split(tmp_path, monkeypatch):
     prepare_data(sources, 10, 7, 11, tmp_path / "small", min_assistant_chars=4)
     assert read_jsonl(tmp_path / "small/train.jsonl") == train[:10]
     assert read_jsonl(tmp_path / "small/eval.jsonl") == evals
+
+
+def test_normalized_key_matches_near_exact_copies():
+    base = [{"role": "user", "content": "What is a KV cache?"}, {"role": "assistant", "content": "Keys and values."}]
+    same = [  # case, spacing, NFKC forms, zero-width characters
+        [{"role": "user", "content": "  what IS a\tKV\n\ncache?"}, {"role": "assistant", "content": "keys and values."}],
+        [{"role": "user", "content": "What is a \uff2b\uff36 cache?"}, {"role": "assistant", "content": "Keys and\u00a0values."}],
+        [{"role": "user", "content": "What is a K\u200bV cache?"}, {"role": "assistant", "content": "Keys and values.\ufeff"}],
+    ]
+    differ = [  # punctuation, a role, a turn boundary, an extra turn
+        [{"role": "user", "content": "What is a KV cache"}, {"role": "assistant", "content": "Keys and values."}],
+        [{"role": "system", "content": "What is a KV cache?"}, {"role": "assistant", "content": "Keys and values."}],
+        [{"role": "user", "content": "What is a KV cache? Keys"}, {"role": "assistant", "content": "and values."}],
+        base + [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "ok"}],
+    ]
+    key = data.conversation_key(base)
+    assert all(data.conversation_key(m) == key for m in same)
+    assert len({key, *(data.conversation_key(m) for m in differ)}) == 1 + len(differ)
+    unique, removed = data.dedup_conversations([base, *same, *differ, base])
+    assert unique == [base, *differ] and removed == 4
+
+
+def test_prepare_data_removes_duplicates_before_the_split(tmp_path, monkeypatch):
+    import functools
+
+    from kvshot.ranked_writer import RankedWriter
+
+    records = [sg(i, ("human", f"q{i}"), ("gpt", f"answer {i % 23}")) for i in range(40)]
+    records += [sg(100 + i, ("user", f"Q{i} "), ("gpt", f"Answer  {i % 23}")) for i in range(0, 40, 3)]  # near copies
+    records += [sg(200, ("human", "q5"), ("gpt", "answer 5"))]                                   # exact copy
+    sources = [{"kind": "sharegpt_file", "path": str(write_array(tmp_path / "a.json", records[:45]))},
+               {"kind": "sharegpt_file", "path": str(write_array(tmp_path / "b.json", records[45:] + records[:2]))}]
+    monkeypatch.setattr(data, "RankedWriter", functools.partial(RankedWriter, bucket_size=4))
+    stats = prepare_data(sources, 100, 6, 5, tmp_path / "out")
+    items = [{"id": f"{i}:{k}", "messages": m} for i, k, m in data.iter_sources(sources, [])]
+    unique, removed = data.dedup_conversations(items)
+    assert removed == 14 + 1 + 2 == stats["duplicates_removed"] and stats["available"] == 40 == len(unique)
+    # the first copy stays; per source: 5 in a.json (records 40..44), 10 + 2 in b.json
+    assert [s["duplicates_removed"] for s in stats["sources"]] == [5, 12]
+    assert all(it["id"].startswith("0:") and int(it["id"][2:]) < 40 for it in unique)
+    train, evals = split_conversations(unique, 100, 6, seed=5)
+    assert read_jsonl(tmp_path / "out/train.jsonl") == train and read_jsonl(tmp_path / "out/eval.jsonl") == evals
+    keys = [{data.conversation_key(r["messages"]) for r in split} for split in (train, evals)]
+    assert len(keys[0]) == 34 and len(keys[1]) == 6 and not keys[0] & keys[1]
 
 
 def test_ranked_writer_orders_and_is_all_or_nothing(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -211,3 +212,73 @@ def test_damaged_weights_are_one_line(tiny, tiny_features, tmp_path):
     weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(IntegrityError, match=r"target/model.safetensors: \d+ bytes where \d+ were written"):
         load_target(target_dir, tiny["rt"])
+
+
+# ---------------------------------------------------------------- data as a real input, without duplicates
+
+def _sharegpt(path, n: int, extra: int = 0) -> None:
+    rows = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"question {i}"},
+                                              {"from": "gpt", "value": f"answer {i}"}]} for i in range(n)]
+    path.write_text(json.dumps(rows + rows[:extra]))
+
+
+@pytest.mark.slow
+def test_editing_a_local_data_file_reruns_prepare_data_and_below(tmp_path):
+    (tmp_path / "wd").mkdir()
+    wd = workdir(tmp_path / "wd")
+    _sharegpt(wd / "mine.json", 70)
+    (wd / "hub.jsonl").write_text("")
+    overlay = tmp_path / "local.yaml"
+    overlay.write_text(yaml.safe_dump({"data": {"sources": [
+        {"kind": "sharegpt_file", "path": "mine.json"}]}}))
+    args = ("--cores", "1", "--configfile", "config/smoke.yaml", str(overlay))
+    proc = snakemake(wd, "results/data/stats.json", *args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = snakemake(wd, "-n", "results/data/stats.json", *args)
+    assert "Nothing to be done" in proc.stdout + proc.stderr
+    _sharegpt(wd / "mine.json", 70, extra=3)   # the user edits the file (3 copies added)
+    os.utime(wd / "mine.json")
+    proc = snakemake(wd, "-n", *args)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-2000:]
+    jobs = {m.group(1): m.group(2) for m in re.finditer(r"^rule (\w+):\n(?:    .*\n)*?    reason: (.*)$", out, re.M)}
+    assert jobs["prepare_data"] == "Updated input files: mine.json", out[-3000:]
+    for rule in ("train_tokenizer", "target", "capture_features", "train_drafter", "eval_stepwise", "eval_e2e"):
+        assert "Input files updated by another job" in jobs[rule], (rule, jobs.get(rule))
+    proc = snakemake(wd, "results/data/stats.json", *args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stats = json.loads((wd / "results/data/stats.json").read_text())
+    assert stats["sources"][0]["read"] == 73 and stats["duplicates_removed"] == 3
+    # a hub source's local data_files are inputs too
+    overlay.write_text(yaml.safe_dump({"data": {"sources": [
+        {"kind": "sharegpt_file", "path": "mine.json"}, {"kind": "hub", "name": "json", "split": "train", "schema": "sharegpt",
+         "data_files": ["hub.jsonl"]}]}}))
+    out = snakemake(wd, "-n", "results/data/stats.json", *args)
+    assert "input: mine.json, hub.jsonl" in out.stdout, out.stdout[-2000:]
+
+
+def test_packaged_sharegpt_split_has_no_shared_conversation(tmp_path):
+    """The default config's split of the packaged ShareGPT file: duplicates (743 exact copies
+    among its 17,322 kept records, a few more near-exact) removed before the split."""
+    from kvshot.data import (LoadStats, conversation_key, iter_sharegpt_file, normalize_text, prepare_data,
+                             read_jsonl, sharegpt_package_path)
+
+    cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())["data"]
+    stats = prepare_data(cfg["sources"], cfg["train_samples"], cfg["eval_samples"], 0, tmp_path)
+    exact: set[str] = set()
+    for messages in iter_sharegpt_file(sharegpt_package_path(), LoadStats("package")):
+        exact.add(json.dumps(messages))
+    kept = stats["sources"][0]["kept"]
+    print(f"\npackaged ShareGPT: {kept} kept, {kept - len(exact)} exact copies, "
+          f"{stats['duplicates_removed']} duplicates removed (normalized)")
+    assert kept - len(exact) == 743 and stats["duplicates_removed"] >= 743
+    assert stats["duplicates_removed"] == stats["sources"][0]["duplicates_removed"]
+    assert stats["available"] == kept - stats["too_short"] - stats["duplicates_removed"]
+    train, evals = read_jsonl(tmp_path / "train.jsonl"), read_jsonl(tmp_path / "eval.jsonl")
+    assert (len(train), len(evals)) == (3000, 100)
+
+    def texts(rows):
+        return {tuple((m["role"], normalize_text(m["content"])) for m in r["messages"]) for r in rows}
+
+    assert not texts(train) & texts(evals) and len(texts(train)) == 3000 and len(texts(evals)) == 100
+    assert not {conversation_key(r["messages"]) for r in train} & {conversation_key(r["messages"]) for r in evals}

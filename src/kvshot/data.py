@@ -7,11 +7,13 @@ hub datasets produce the same message lists and the same skip accounting.
 from __future__ import annotations
 
 import codecs
+import hashlib
 import json
 import os
 import random
 import re
 import sys
+import unicodedata
 from array import array
 from dataclasses import dataclass, field
 from importlib import resources
@@ -53,13 +55,14 @@ class LoadStats:
     read: int = 0
     kept: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
+    duplicates_removed: int = 0   # kept records that repeat an earlier one (prepare_data)
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
     def to_dict(self) -> dict:
         return {"source": self.source, "read": self.read, "kept": self.kept,
-                "skipped": dict(sorted(self.skipped.items()))}
+                "skipped": dict(sorted(self.skipped.items())), "duplicates_removed": self.duplicates_removed}
 
 
 def _has_surrogate(s: str) -> bool:
@@ -338,6 +341,50 @@ def load_sources(sources: list[dict], stats_out: list) -> list[list[dict]]:
     return [messages for _, _, messages in iter_sources(sources, stats_out)]
 
 
+# Invisible characters that make copies of one text differ byte-wise (zero-width space / joiners,
+# word joiner, byte order mark, soft hyphen); NFKC keeps them.
+_INVISIBLE = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff\u00ad"))
+
+
+def normalize_text(text: str) -> str:
+    """The text duplicates are compared on: NFKC, casefolded, invisible characters dropped,
+    every whitespace run one space, ends stripped. Punctuation stays (it can change meaning)."""
+    return " ".join(unicodedata.normalize("NFKC", text).translate(_INVISIBLE).casefold().split())
+
+
+def conversation_key(messages: list[dict]) -> int:
+    """A signed 64-bit hash of the role-tagged normalized turns: equal for exact and near-exact
+    copies (case, spacing, Unicode forms). 8 bytes per record; a false match among a million
+    records has odds of about 3e-8."""
+    h = hashlib.blake2b(digest_size=8)
+    for m in messages:
+        h.update(f"{m['role']}\x1f{normalize_text(m['content'])}\x1e".encode("utf-8"))
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def first_occurrences(keys):
+    """A boolean mask over `keys`: True at the first record with each key (later ones are duplicates)."""
+    import numpy as np
+
+    keys = np.asarray(keys, dtype=np.int64)
+    keep = np.zeros(len(keys), dtype=bool)
+    keep[np.unique(keys, return_index=True)[1]] = True   # return_index: each key's first index
+    return keep
+
+
+def dedup_conversations(convs: list) -> tuple[list, int]:
+    """(the conversations without near-exact copies, in order; how many were removed), in memory:
+    the reference for prepare_data's streaming pass. Items are message lists or {"messages": ...}."""
+    seen: set[int] = set()
+    unique = []
+    for conv in convs:
+        key = conversation_key(conv["messages"] if isinstance(conv, dict) else conv)
+        if key not in seen:
+            seen.add(key)
+            unique.append(conv)
+    return unique, len(convs) - len(unique)
+
+
 def _split_sizes(available: int, train_samples: int, eval_samples: int) -> tuple[int, int]:
     # A short supply shrinks train instead of failing: small smoke configs still run.
     n_eval = min(eval_samples, available)
@@ -365,12 +412,15 @@ def split_conversations(convs: list, train_samples: int, eval_samples: int,
 
 def prepare_data(sources: list[dict], train_samples: int, eval_samples: int, seed: int,
                  out_dir: str | Path, min_assistant_chars: int = 1) -> dict:
-    """Filter, split and write train.jsonl / eval.jsonl / stats.json into out_dir, streaming.
+    """Filter, deduplicate, split and write train.jsonl / eval.jsonl / stats.json into out_dir,
+    streaming.
 
-    Pass 1 counts the usable records; the split is `split_conversations`' seeded permutation
-    of that count (ranks: N small ints); pass 2 reads the sources again and hands each record
-    to its split's RankedWriter, which writes the split in permutation order. Memory: the
-    ranks and one bucket of lines, not the conversations."""
+    Pass 1 reads the sources and keeps a 64-bit key per usable record (`conversation_key`);
+    a record whose key an earlier one (of any source) had is a duplicate, dropped before the
+    split so that train and eval share no conversation. The split is `split_conversations`'
+    seeded permutation of the unique records (ranks: N small ints); pass 2 reads the sources
+    again and hands each unique record to its split's RankedWriter, which writes the split in
+    permutation order. Memory: 8-byte keys, a mask and ranks, not the conversations."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -378,36 +428,51 @@ def prepare_data(sources: list[dict], train_samples: int, eval_samples: int, see
         return sum(len(m["content"].strip()) for m in messages if m["role"] == "assistant") >= min_assistant_chars
 
     stats_list: list[LoadStats] = []
-    read = available = 0
-    for _, _, messages in iter_sources(sources, stats_list):
+    read = 0
+    keys, source_of = array("q"), array("I")   # per usable record: its key and its source
+    for index, _, messages in iter_sources(sources, stats_list):
         read += 1
-        available += long_enough(messages)
+        if long_enough(messages):
+            keys.append(conversation_key(messages))
+            source_of.append(index)
+    usable = len(keys)
+    keep = first_occurrences(keys)
+    del keys
+    for record in (~keep).nonzero()[0]:
+        stats_list[source_of[record]].duplicates_removed += 1
+    del source_of
+    available = int(keep.sum())
     n_train, n_eval = _split_sizes(available, train_samples, eval_samples)
     rank = array("q", bytes(8 * available))
     for position, record in enumerate(split_order(available, seed)):
         rank[record] = position
     writers = [RankedWriter(out / "eval.jsonl", n_eval), RankedWriter(out / "train.jsonl", n_train)]
     try:
-        record = 0
+        record = unique = 0
         for index, k, messages in iter_sources(sources, []):
             if not long_enough(messages):
                 continue
-            if record == available:
-                raise DataError(f"source {index}: more records on the second read than the first ({available})")
-            position, record = rank[record], record + 1
+            if record == usable:
+                raise DataError(f"source {index}: more records on the second read than the first ({usable})")
+            record += 1
+            if not keep[record - 1]:
+                continue
+            position, unique = rank[unique], unique + 1
             if position < n_eval + n_train:
                 split, at = (0, position) if position < n_eval else (1, position - n_eval)
                 writers[split].add(at, json.dumps({"id": f"{index}:{k}", "messages": messages},
                                                   ensure_ascii=False) + "\n")
-        if record != available:
-            raise DataError(f"sources: {record} records on the second read, {available} on the first")
+        if record != usable:
+            raise DataError(f"sources: {record} records on the second read, {usable} on the first")
         writers[1].close()
         writers[0].close()
     finally:
         for w in writers:
             w.discard()
     stats = {"sources": [s.to_dict() for s in stats_list], "available": available,
-             "too_short": read - available, "train": n_train, "eval": n_eval,
+             "too_short": read - usable, "duplicates_removed": usable - available,
+             "dedup": "NFKC + casefold + invisible characters dropped + whitespace collapsed, role-tagged turns",
+             "train": n_train, "eval": n_eval,
              "seed": seed, "requested": {"train": train_samples, "eval": eval_samples,
                                          "min_assistant_chars": min_assistant_chars}}
     atomic_write(out / "stats.json", [json.dumps(stats, indent=2) + "\n"])
