@@ -15,6 +15,7 @@ include: "workflow/rules/regenerate.smk"
 include: "workflow/rules/features.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/eval.smk"
+include: "workflow/rules/export.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/scaling.smk"
 
