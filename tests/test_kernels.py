@@ -1,9 +1,7 @@
 """The trainer's hand-written backward passes against autograd over the plain formulas:
 the attention (fused CPU flash kernel and the portable version), RMSNorm and the soft
-cross-entropy; and the whole TTT loss and gradients with either attention."""
+cross-entropy (the losses of whole unrolls under every backend: test_attention_backends.py)."""
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -131,44 +129,7 @@ def test_rms_norm_and_soft_cross_entropy():
     assert torch.equal(first_argmax(wide), wide.argmax(-1)) and first_argmax(wide)[1] == 70
 
 
-@pytest.mark.parametrize("block_rows", [512, 12])   # 12: blocks of a few anchors (KV-only: 12 // K rows x K steps)
-@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid"])
-def test_unroll_with_either_attention_has_the_same_loss_and_gradients(paradigm, block_rows, monkeypatch):
-    """The packed TTT loss and its gradients through the flash kernel equal the portable path."""
-    from kvshot.drafters import DrafterConfig, build_drafter, skeleton
-    from kvshot.ttt import step_losses, target_labels, unroll, weighted_loss
-
-    monkeypatch.setattr(skeleton, "BLOCK_ROWS", block_rows)
-    torch.manual_seed(0)
-    h, layers, vocab, b, t = 32, 4, 64, 3, 40
-    cfg = DrafterConfig(paradigm=paradigm, hidden_size=h, num_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=vocab,
-                        draft_vocab_size=48, kv_layers=[2] if paradigm != "hidden" else [])
-    model = build_drafter(cfg)
-    model.set_vocab(torch.randn(vocab, h), torch.arange(48))
-    attention = torch.ones(b, t, dtype=torch.long)
-    attention[2, 30:] = 0
-    loss_mask = (torch.rand(b, t) < 0.5).long() * attention
-    batch = {"input_ids": torch.randint(0, vocab, (b, t)), "attention_mask": attention, "loss_mask": loss_mask,
-             "aux_hidden": torch.randn(b, t, 3, h), "last_hidden": torch.randn(b, t, h),
-             **{f"key_{l}": torch.randn(b, t, 2, 8) for l in range(layers)},
-             **{f"value_{l}": torch.randn(b, t, 2, 8) for l in range(layers)}}
-    head = torch.randn(vocab, h)
-    labels = target_labels(batch["last_hidden"], head, model.d2t)
-    results = []
-    for flash in (True, False):
-        monkeypatch.setattr(skeleton, "FLASH_ON_CPU", flash)
-        model.zero_grad(set_to_none=True)
-        losses = step_losses(model, unroll(model, batch, 4, skip_unlabelled=True), batch, labels)[0]
-        loss = weighted_loss(losses, 0.8)
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    (l0, g0), (l1, g1) = results
-    assert math.isfinite(float(l0))
-    torch.testing.assert_close(l0, l1, atol=1e-5, rtol=1e-5)
-    assert g0.keys() == g1.keys()
-    for name in g0:
-        torch.testing.assert_close(g0[name], g1[name], atol=1e-5, rtol=1e-4, msg=name)
+# the whole TTT loss and gradients under every backend: tests/test_attention_backends.py
 
 
 def _custom_functions(inputs, bias, blocks):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import kvshot.drafters.skeleton as skeleton
+import kvshot.drafters.attention as attention_backends
 import kvshot.train as train_mod
 from kvshot.config import Runtime, drafter_autocast
 from kvshot.features import capture_split, open_features
@@ -63,8 +63,8 @@ def test_bf16_runtime_trains_in_bf16_with_fp32_state(tiny, bf16_features, tmp_pa
     """bf16 features, a bf16 target, runtime dtype bfloat16: training runs, the attention
     computes in bf16, parameters and optimizer state stay fp32, losses are finite."""
     seen = set()
-    real = skeleton.block_attention
-    monkeypatch.setattr(skeleton, "block_attention", lambda q, *a: seen.add(q.dtype) or real(q, *a))
+    real = attention_backends.block_attention   # what the `block` backend calls (auto: CPU bf16)
+    monkeypatch.setattr(attention_backends, "block_attention", lambda q, *a: seen.add(q.dtype) or real(q, *a))
     saved = []   # the checkpoint is removed once the drafter is saved: keep what was written
     real_save = train_mod._save_checkpoint
     monkeypatch.setattr(train_mod, "_save_checkpoint",

@@ -86,7 +86,10 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dir: str, target_dir: str, con
     from .drafters import load_drafter
     from .target import load_target
 
+    from .drafters.attention import use_attention
+
     ecfg = cfg["eval"]["e2e"]
+    use_attention(cfg["drafters"].get("attention", "auto"))
     target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
     drafter = load_drafter(drafter_dir, rt.device).eval()
     aux = tuple(read_json(features_index)["spec"]["aux_layers"]) if drafter.reads_aux_hidden else None

@@ -145,6 +145,9 @@ def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dir: str, target_dir: str
     from .drafters import load_drafter
     from .target import load_target
 
+    from .drafters.attention import use_attention
+
+    use_attention(cfg["drafters"].get("attention", "auto"))
     target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
     drafter = load_drafter(drafter_dir, rt.device)
     aux = tuple(read_json(features_index)["spec"]["aux_layers"])

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from .config import ConfigError, Runtime, drafter_autocast
 from .drafters import Drafter, DrafterConfig, build_drafter
+from .drafters.attention import use_attention
 from .drafters.standalone import init_from_target
 from .features import FeatureSource, open_features
 from .integrity import content_digest, folder_digest
@@ -272,6 +273,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
 
     v = variant_config(cfg, name)
     tc, dcfg = v["train"], cfg["drafters"]
+    use_attention(dcfg.get("attention", "auto"))
     deadline = stop_deadline(runtime_minutes, tc.get("stop_margin_minutes", 0))
     steps_k, decay = dcfg["ttt_steps"], dcfg["step_decay"]
     accel = Accelerator(cpu=rt.device == "cpu")

@@ -114,6 +114,23 @@ def context(batch: dict[str, Tensor], dtype: torch.dtype | None = None) -> dict[
     return ctx
 
 
+def reference_unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int) -> Unrolled:
+    """The TTT unroll as the plain K-step loop, the algorithm `unroll` optimizes and is tested
+    against: every anchor of every sequence, one step after another; step k feeds the
+    sequence's token x_{t+k+1} at position t+k+1 and the drafter's own state from step k-1,
+    and its logits predict x_{t+k+2}. No packing, no one-call steps, no causal-LM shortcut."""
+    ids = batch["input_ids"].long()
+    b, t = ids.shape
+    anchors = torch.arange(t, device=ids.device).expand(b, -1)
+    state = drafter.begin(context(batch, drafter.compute_dtype()), anchors)
+    out = Unrolled([], [], [])
+    for k in range(steps):
+        hidden = drafter.step(state, shift(ids, k + 1), anchors + k + 1, k)
+        out.logits.append(drafter.logits(hidden))
+        out.valid.append(shift(assistant_tokens(batch), k + 2, False))
+    return out
+
+
 def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries: bool = False,
            own_tokens: bool = False, skip_unlabelled: bool = False) -> Unrolled:
     """K steps for every anchor at once. Inputs are the sequence's tokens (training, as EAGLE-3)

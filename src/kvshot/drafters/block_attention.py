@@ -12,6 +12,7 @@ block. Two versions of one function:
                      the softmax in fp32 at least.
 Both run in their inputs' dtype with autocast off (`own_precision`): `Attention.attend` casts
 q, keys and values to the compute dtype (bf16 under a bf16 runtime's autocast).
+The plain algorithm they compute, and the registry that picks a backend: `attention`.
 """
 from __future__ import annotations
 
