@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -282,3 +283,161 @@ def test_packaged_sharegpt_split_has_no_shared_conversation(tmp_path):
 
     assert not texts(train) & texts(evals) and len(texts(train)) == 3000 and len(texts(evals)) == 100
     assert not {conversation_key(r["messages"]) for r in train} & {conversation_key(r["messages"]) for r in evals}
+
+
+# ---------------------------------------------------------------- one-line errors (issue 18, item 7)
+
+def _continuations(path, cut: bool) -> None:
+    text = json.dumps({"target": "t", "max_new_tokens": 4, "eos_id": 2,
+                       "items": [{"prompt": [5, 6, 7], "continuation": [8, 9, 10, 2]}] * 4}, indent=2)
+    path.write_text(text[: len(text) // 2] if cut else text.replace('"items"', '"itemz"'))
+
+
+@pytest.mark.parametrize("stage", ["eval-stepwise", "eval-e2e"])
+@pytest.mark.parametrize("cut", [True, False], ids=["truncated", "wrong-shape"])
+def test_damaged_continuations_is_one_line(tmp_path, stage, cut):
+    cont = tmp_path / "continuations.json"
+    _continuations(cont, cut)
+    proc = _stage(stage, "--config", str(REPO / "config/config.yaml"), "--config", str(REPO / "config/smoke.yaml"),
+                  "--drafter", str(tmp_path / "drafter"), "--target", str(tmp_path / "target"),
+                  "--continuations", str(cont), "--features-index", str(tmp_path / "index.json"),
+                  "--out", str(tmp_path / "out.json"))
+    line = _last_line(proc)
+    what = "not a complete JSON file" if cut else "expected {'eos_id', 'items'"
+    assert line.startswith(f"kvshot {stage}: error: {cont}: {what}") and "rerun" in line, line
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_local_pretrained_path_is_one_line(tmp_path):
+    missing = tmp_path / "models" / "Qwen3-8B"
+    overlay = tmp_path / "pre.yaml"
+    overlay.write_text(yaml.safe_dump({"target": {"source": "pretrained", "name": str(missing)},
+                                       "tokenizer": {"source": "pretrained", "name": "Qwen/Qwen3-8B"}}))
+    proc = _stage("target", "--config", str(REPO / "config/config.yaml"), "--config", str(REPO / "config/smoke.yaml"),
+                  "--config", str(overlay), "--train", "t.jsonl", "--eval", "e.jsonl", "--tokenizer", "tok",
+                  "--out", str(tmp_path / "model"), "--metrics", str(tmp_path / "m.json"))
+    line = _last_line(proc)
+    assert line == (f"kvshot target: error: {overlay}: target.name: {missing} does not exist (a local path; "
+                    "a hub id is 'owner/name'): fix the path, or download the model there"), line
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr   # was a 71-line traceback
+    cfg = copy.deepcopy(tiny_config())
+    for name in ("./models/x", "~/nowhere/x", "a/b/c"):   # only a local path can be spelled so
+        cfg["tokenizer"].update(source="pretrained", name=name)
+        with pytest.raises(ConfigError, match=r"my.yaml: tokenizer.name: .* does not exist"):
+            validate_config(cfg, ["my.yaml"])
+    cfg["tokenizer"].update(name="Owner/not-in-the-cache")   # a hub id: the stage loads it
+    validate_config(cfg, ["my.yaml"])
+
+
+@pytest.mark.parametrize("text,what", [("data:\n  train_samples: [1,\n", "not valid YAML"),
+                                       ("", "<top level>: expected a mapping"),
+                                       ("data:\n\ttrain_samples: 3\n", "not valid YAML")],
+                         ids=["syntax", "empty", "tab"])
+def test_broken_config_file_is_one_line_for_a_stage(tmp_path, text, what):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    line = _last_line(_stage("prepare-data", "--config", str(REPO / "config/config.yaml"), "--config", str(bad),
+                             "--out", str(tmp_path / "data")))
+    assert line.startswith(f"kvshot prepare-data: error: {bad}: ") and what in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text,what", [("seed: [0\n", "not valid YAML (while parsing a flow sequence"),
+                                       ("", "expected a mapping of config sections, found an empty file")],
+                         ids=["syntax", "empty"])
+def test_broken_base_config_is_named_by_snakemake(tmp_path, text, what):
+    """The Snakefile's `configfile:` names the file. (--configfile overlays are parsed by
+    Snakemake's CLI before the Snakefile runs; its message there names no file.)"""
+    for name in ("Snakefile", "workflow", "envs", "src"):
+        (tmp_path / name).symlink_to(REPO / name)
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config/config.yaml").write_text(text)
+    proc = snakemake(tmp_path, "-n", "--cores", "1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and f"config/config.yaml: {what}" in out, out[-1500:]
+
+
+def test_nan_stop_is_one_line_naming_the_checkpoint(tiny, tiny_features, tmp_path, monkeypatch, capsys):
+    import kvshot.train as train_mod
+    from kvshot.__main__ import main
+
+    from .test_train import small_cfg
+
+    real, calls = train_mod.weighted_loss, {"n": 0}
+
+    def poisoned(losses, decay):
+        calls["n"] += 1
+        return real(losses, decay) * (float("nan") if calls["n"] == 4 else 1.0)
+
+    monkeypatch.setattr(train_mod, "weighted_loss", poisoned)
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(yaml.safe_dump(small_cfg(tiny)))
+    args = ["train-drafter", "--config", str(cfg_file), "--variant", "hyb", "--train-features",
+            str(tiny_features["train"]), "--eval-features", str(tiny_features["eval"]), "--target", str(tiny["model"]),
+            "--out", str(tmp_path / "out")]
+    def error_line() -> str:   # tqdm's bar may redraw around it
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("kvshot train-drafter: error:")]
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    assert main(args) == 2
+    line = error_line()
+    ckpt = tmp_path / "out.ckpt/checkpoint.pt"
+    assert line == f"kvshot train-drafter: error: train hyb: loss is nan at step 3; last good checkpoint: step 2 at {ckpt}"
+    assert ckpt.is_file()   # the checkpoint it names exists
+    monkeypatch.setattr(train_mod, "weighted_loss", lambda losses, decay: losses[0] * float("inf"))
+    ckpt.unlink()
+    assert main(args) == 2
+    assert error_line().endswith("train hyb: loss is inf at step 0; no checkpoint yet")
+
+
+# ---------------------------------------------------------------- kill during a checkpoint write
+
+class _Killed(BaseException):
+    """Stands in for SIGKILL: nothing after it runs."""
+
+
+@pytest.mark.parametrize("moment", ["half-written", "before-rename"])
+def test_kill_during_checkpoint_write_keeps_the_previous_and_resumes_bit_identically(
+        tiny, tiny_features, tmp_path, monkeypatch, moment):
+    import io
+
+    import torch
+    from safetensors.torch import load_file
+
+    import kvshot.train as train_mod
+
+    from .test_train import run, small_cfg
+
+    cfg = small_cfg(tiny)   # 6 steps, checkpoints after steps 2 and 4
+    run(tiny, tiny_features, cfg, tmp_path / "whole")
+    real_save, real_replace, saves = torch.save, os.replace, {"n": 0}
+
+    def dying_save(obj, f, *a, **kw):
+        saves["n"] += 1
+        if saves["n"] == 2 and moment == "half-written":   # the step-4 checkpoint, cut mid-write
+            buf = io.BytesIO()
+            real_save(obj, buf, *a, **kw)
+            Path(f).write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+            raise _Killed
+        return real_save(obj, f, *a, **kw)
+
+    def dying_replace(src, dst):
+        if str(src).endswith("checkpoint.tmp") and saves["n"] == 2:   # written in full, not yet renamed
+            raise _Killed
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    monkeypatch.setattr(train_mod.os, "replace", dying_replace)
+    with pytest.raises(_Killed):
+        run(tiny, tiny_features, cfg, tmp_path / "out")
+    monkeypatch.setattr(torch, "save", real_save)
+    monkeypatch.setattr(train_mod.os, "replace", real_replace)
+    ckpt = tmp_path / "out.ckpt/checkpoint.pt"
+    assert (tmp_path / "out.ckpt/checkpoint.tmp").exists() and not (tmp_path / "out").exists()
+    assert torch.load(ckpt, weights_only=False)["progress"]["step"] == 2   # the previous one, intact
+    metrics = run(tiny, tiny_features, cfg, tmp_path / "out")
+    assert metrics["resumed_from"] == 2 and metrics["steps"] == 6
+    a, b = load_file(str(tmp_path / "whole/model.safetensors")), load_file(str(tmp_path / "out/model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "out.ckpt").exists()   # removed once the drafter is saved

@@ -215,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         output = next((getattr(args, a) for a in ("out", "tables", "figure") if getattr(args, a, None)), None)
         print(f"kvshot {args.stage}: error: {os_error_line(exc, output)}", file=sys.stderr)
         return 2
+    except FloatingPointError as exc:   # NaN/inf in training: the message names the step and the checkpoint
+        traceback.print_exc()
+        print(f"kvshot {args.stage}: error: {exc}", file=sys.stderr)
+        return 2
     except RecursionError:
         traceback.print_exc()
         print(f"kvshot {args.stage}: error: an input file is nested too deeply to read (a damaged or hostile "

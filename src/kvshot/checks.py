@@ -54,8 +54,21 @@ def target_shape(cfg: dict) -> TargetShape | None:
                        c.get("num_key_value_heads", c["num_attention_heads"]), c.get("vocab_size"))
 
 
+def missing_local_path(name: str) -> bool:
+    """True for a name that can only be a local path (absolute, ./, ../, ~, or more than one '/':
+    a hub id is 'owner/name') and that does not exist."""
+    if Path(name).expanduser().exists():
+        return False
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+
+
 def check_consistency(cfg: dict, fail: Callable[[list[str], str], None]) -> None:
     """Call fail(path, problem) for the first impossible combination found."""
+    for section in ("target", "tokenizer"):
+        part = cfg.get(section) or {}
+        if part.get("source") == "pretrained" and part.get("name") and missing_local_path(part["name"]):
+            fail([section, "name"], f"{part['name']} does not exist (a local path; a hub id is 'owner/name'): "
+                 "fix the path, or download the model there")
     drafters, data, ev, scaling = cfg.get("drafters"), cfg.get("data"), cfg.get("eval"), cfg.get("scaling")
     if drafters is not None:
         seen: dict[str, int] = {}

@@ -18,8 +18,10 @@ import torch
 from tqdm import tqdm
 
 from .config import Runtime
+from .data import DataError
 from .decode import DecodeResult, DraftSpec, plain_generate, speculative_generate
 from .io import read_json, write_json
+from .stepwise import read_continuations
 
 
 def specs(cfg: dict) -> dict[str, DraftSpec]:
@@ -90,17 +92,18 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dir: str, target_dir: str, con
 
     ecfg = cfg["eval"]["e2e"]
     use_attention(cfg["drafters"].get("attention", "auto"))
+    cont = read_continuations(continuations)   # before the models load: a damaged file fails fast
     target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
     drafter = load_drafter(drafter_dir, rt.device).eval()
     aux = tuple(read_json(features_index)["spec"]["aux_layers"]) if drafter.reads_aux_hidden else None
-    cont = read_json(continuations)
     items = cont["items"][: ecfg["prompts"]]
     n_new, eos = ecfg["max_new_tokens"], cont["eos_id"]
     modes = specs(cfg)
     # what target.generate(do_sample=False) produced, cut to this stage's length
     reference = [it["continuation"][:n_new] for it in items]
     if any(len(it["continuation"]) < n_new and it["continuation"][-1:] != [eos] for it in items):
-        raise ValueError(f"{continuations}: continuations shorter than eval.e2e.max_new_tokens={n_new}")
+        raise DataError(f"{continuations}: continuations shorter than eval.e2e.max_new_tokens={n_new} "
+                        "(eval.max_new_tokens sets their length: raise it, or lower eval.e2e.max_new_tokens)")
 
     def ids(it):
         return torch.tensor([it["prompt"]], device=rt.device)

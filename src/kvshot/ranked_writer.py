@@ -69,5 +69,8 @@ class RankedWriter:
 
     def discard(self) -> None:
         for fh in self.files.values():
-            fh.close()
+            try:
+                fh.close()
+            except OSError:   # a full disk fails the last flush: the buckets go anyway
+                pass
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from .config import Runtime, drafter_autocast
 from .chat import encode_prompt
-from .data import read_jsonl
+from .data import DataError, read_jsonl
 from .drafters import Drafter
 from .features import pad_batch
 from .io import read_json, write_json
@@ -140,6 +140,21 @@ def stepwise(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int,
     return result
 
 
+def read_continuations(path: str) -> dict:
+    """The target_continuations output; a truncated or damaged file is one DataError line naming it."""
+    redo = "delete it and rerun: Snakemake remakes it with target_continuations"
+    try:
+        cont = read_json(path)
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError: a killed or damaged write
+        raise DataError(f"{path}: not a complete JSON file ({' '.join(str(e).split())[:120]}); {redo}") from e
+    items = cont.get("items") if isinstance(cont, dict) else None
+    if (not isinstance(items, list) or "eos_id" not in cont
+            or not all(isinstance(it, dict) and isinstance(it.get("prompt"), list)
+                       and isinstance(it.get("continuation"), list) for it in items)):
+        raise DataError(f"{path}: expected {{'eos_id', 'items': [{{'prompt', 'continuation'}}]}}; {redo}")
+    return cont
+
+
 def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dir: str, target_dir: str, continuations: str,
                        features_index: str, out_path: str) -> dict:
     from .drafters import load_drafter
@@ -148,10 +163,10 @@ def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dir: str, target_dir: str
     from .drafters.attention import use_attention
 
     use_attention(cfg["drafters"].get("attention", "auto"))
+    items = read_continuations(continuations)["items"]   # before the models load: a damaged file fails fast
     target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
     drafter = load_drafter(drafter_dir, rt.device)
     aux = tuple(read_json(features_index)["spec"]["aux_layers"])
-    items = read_json(continuations)["items"]
     start = time.time()
     result = stepwise(drafter, target, items, aux, cfg["drafters"]["ttt_steps"], cfg["eval"]["batch_size"],
                       rt.device, cfg["eval"]["bootstrap_samples"], cfg["seed"], rt.dtype,
