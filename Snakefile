@@ -7,26 +7,24 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-def parsed_configfile(path):
-    """`configfile:` names no file when its YAML is broken or empty: say which, in one line.
-    (Snakemake's own CLI parses --configfile overlays before this file runs; kvshot stages
-    name the file: `python -m kvshot prepare-data --config FILE --out /tmp/x`.)"""
+BASE_CONFIG = "config/config.yaml"
+# `configfile:` names no file when its YAML is broken or empty: say which, in one line.
+# (Snakemake's CLI parses --configfile overlays before this file runs, and names none there;
+# a kvshot stage names it: `python -m kvshot prepare-data --config FILE --out /tmp/x`.)
+if Path(BASE_CONFIG).is_file():   # a missing one: Snakemake's own message (overlays may stand in)
     import yaml
 
-    if not Path(path).is_file():
-        return path   # Snakemake's own message (and overlays may stand in for it)
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(BASE_CONFIG, encoding="utf-8") as fh:
             parsed = yaml.safe_load(fh)
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise WorkflowError(f"{path}: not valid YAML ({' '.join(str(exc).split())}): fix the file") from None
+        raise WorkflowError(f"{BASE_CONFIG}: not valid YAML ({' '.join(str(exc).split())}): fix the file") from None
     if not isinstance(parsed, dict):
         found = "an empty file" if parsed is None else f"a {type(parsed).__name__}"
-        raise WorkflowError(f"{path}: expected a mapping of config sections, found {found}: fix the file")
-    return path
+        raise WorkflowError(f"{BASE_CONFIG}: expected a mapping of config sections, found {found}: fix the file")
 
 
-configfile: parsed_configfile("config/config.yaml")
+configfile: BASE_CONFIG
 
 
 include: "workflow/rules/common.smk"

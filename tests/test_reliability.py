@@ -250,12 +250,17 @@ def test_editing_a_local_data_file_reruns_prepare_data_and_below(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     stats = json.loads((wd / "results/data/stats.json").read_text())
     assert stats["sources"][0]["read"] == 73 and stats["duplicates_removed"] == 3
-    # a hub source's local data_files are inputs too
-    overlay.write_text(yaml.safe_dump({"data": {"sources": [
-        {"kind": "sharegpt_file", "path": "mine.json"}, {"kind": "hub", "name": "json", "split": "train", "schema": "sharegpt",
-         "data_files": ["hub.jsonl"]}]}}))
-    out = snakemake(wd, "-n", "results/data/stats.json", *args)
-    assert "input: mine.json, hub.jsonl" in out.stdout, out.stdout[-2000:]
+    # a hub source's local data_files are inputs too, and so are local evaluation prompts
+    (wd / "prompts.jsonl").write_text(json.dumps({"prompt": ["hello"]}) + "\n")
+    overlay.write_text(yaml.safe_dump({
+        "data": {"sources": [{"kind": "sharegpt_file", "path": "mine.json"},
+                             {"kind": "hub", "name": "json", "split": "train", "schema": "sharegpt",
+                              "data_files": ["hub.jsonl"]}]},
+        "eval": {"prompt_sources": [{"kind": "hub", "name": "json", "split": "train", "schema": "mtbench",
+                                     "data_files": "prompts.jsonl"}]}}))
+    out = snakemake(wd, "-n", "results/eval/continuations.json", *args).stdout
+    assert "input: mine.json, hub.jsonl" in out, out[-2000:]
+    assert "input: results/data/eval.jsonl, results/target/model, prompts.jsonl" in out, out[-2000:]
 
 
 def test_packaged_sharegpt_split_has_no_shared_conversation(tmp_path):

@@ -105,3 +105,19 @@ def scaling_overlay(wildcards):
     steps = scaled_steps(config["drafters"]["train"]["max_steps"], n, max(config["scaling"]["train_samples"]))
     overlay = {"drafters": {"train": {"train_samples": n, "max_steps": steps}}}
     return f" --config {shlex.quote(json.dumps(overlay, sort_keys=True))}"
+
+
+def local_data_files(sources):
+    """The local files a list of data sources reads (`sharegpt_file` paths, and a hub entry's
+    `data_files` when they all exist here, as kvshot.data loads them). Made inputs, editing one
+    reruns the job that reads it and everything below. Hub names and packaged data are not
+    files here."""
+    files = []
+    for src in sources:
+        if src.get("kind") == "sharegpt_file":
+            files.append(src["path"])
+        elif src.get("kind") == "hub" and src.get("data_files") is not None:
+            listed = [src["data_files"]] if isinstance(src["data_files"], str) else list(src["data_files"])
+            if all(Path(f).exists() for f in listed):
+                files.extend(listed)
+    return files

@@ -2,6 +2,7 @@ rule target_continuations:
     input:
         eval="results/data/eval.jsonl",
         target="results/target/model",
+        prompts=local_data_files(config["eval"].get("prompt_sources") or []),   # common.smk
     output:
         "results/eval/continuations.json",
     params:
