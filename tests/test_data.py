@@ -445,7 +445,7 @@ def test_unrendered_content_is_one_line_error(qwen_like_tokenizer):
 
 # ---------------------------------------------------------------- prepare_data / read_jsonl
 
-def test_prepare_data_writes_atomically(tmp_path):
+def test_prepare_data_writes_atomically(tmp_path, capsys):
     src = write_array(tmp_path / "src.json",
                       [sg(i, ("human", f"q{i}"), ("gpt", "a" * (i % 4 + 1))) for i in range(30)])
     out = tmp_path / "out"
@@ -456,6 +456,7 @@ def test_prepare_data_writes_atomically(tmp_path):
     assert stats["too_short"] == 8 and stats["available"] == 22
     assert (stats["train"], stats["eval"], stats["seed"]) == (17, 5, 3)
     assert stats["requested"]["train"] == 100 and stats["sources"][0]["kept"] == 30
+    assert "give 17 train, fewer than data.train_samples=100" in capsys.readouterr().err
     train, evals = read_jsonl(out / "train.jsonl"), read_jsonl(out / "eval.jsonl")
     assert len(train) == 17 and len(evals) == 5
     ids = [r["id"] for r in train + evals]

@@ -443,6 +443,9 @@ def prepare_data(sources: list[dict], train_samples: int, eval_samples: int, see
     del source_of
     available = int(keep.sum())
     n_train, n_eval = _split_sizes(available, train_samples, eval_samples)
+    if n_train < train_samples:   # not silent: the log says it, stats.json records train vs requested
+        print(f"prepare_data: {available} unique conversations ({usable - available} duplicates removed) give "
+              f"{n_train} train, fewer than data.train_samples={train_samples}", file=sys.stderr, flush=True)
     rank = array("q", bytes(8 * available))
     for position, record in enumerate(split_order(available, seed)):
         rank[record] = position
