@@ -57,12 +57,30 @@ configs:
 """
 
 
+def pinned_revisions() -> dict[str, str]:
+    """repo id -> the revision config/paper.yaml pins for it (a commit, or a branch name)."""
+    import yaml
+
+    from .conftest import REPO
+
+    cfg = yaml.safe_load((REPO / "config/paper.yaml").read_text())
+    pins = {cfg["target"]["name"]: cfg["target"].get("revision"), cfg["tokenizer"]["name"]: cfg["tokenizer"].get("revision")}
+    for src in cfg["data"]["sources"] + cfg["eval"].get("prompt_sources", []):
+        pins[src["name"]] = src.get("revision")
+    return {repo: rev for repo, rev in pins.items() if rev}
+
+
 def _snapshot(cache: Path, kind: str, repo: str) -> Path:
-    """models--Owner--Name / datasets--Owner--Name with refs/main -> COMMIT; returns the snapshot."""
+    """models--Owner--Name / datasets--Owner--Name at the revision paper.yaml pins (what
+    `hf download --revision` leaves), refs/main pointing at it; returns the snapshot folder."""
+    rev = pinned_revisions().get(repo, "main")
+    commit = rev if len(rev) == 40 and all(c in "0123456789abcdef" for c in rev) else COMMIT
     top = cache / f"{kind}--{repo.replace('/', '--')}"
     (top / "refs").mkdir(parents=True, exist_ok=True)
-    (top / "refs" / "main").write_text(COMMIT)
-    snap = top / "snapshots" / COMMIT
+    (top / "refs" / "main").write_text(commit)
+    if commit != rev:   # a branch pin resolves through its ref
+        (top / "refs" / rev).write_text(commit)
+    snap = top / "snapshots" / commit
     snap.mkdir(parents=True, exist_ok=True)
     return snap
 
