@@ -9,6 +9,7 @@ import traceback
 
 from .config import ConfigError, read_config, runtime
 from .data import DataError
+from .progress import quiet_library_bars
 
 
 def _cmd_prepare_data(args, cfg) -> dict:
@@ -133,9 +134,48 @@ STAGES = {
 }
 
 
+# one line per stage for `kvshot --help` and the stage's own --help
+STAGE_HELP = {
+    "prepare-data": "read the configured sources, clean, dedupe and split them into train/eval JSONL + stats.json",
+    "regenerate-data": "(optional) the target rewrites the train answers (data.regenerate)",
+    "train-tokenizer": "train the byte-level BPE on the train split, or save the pretrained target's tokenizer",
+    "target": "pretrain the small Qwen3 target (or load the pretrained one) and score it on held-out text",
+    "capture-features": "run the target over a split and store hidden states and KV (offline) or tokens (online)",
+    "train-drafter": "train one drafter variant with the TTT objective (checkpoints, resume, DDP)",
+    "target-continuations": "the target's greedy continuations of the eval prompts (the step-wise reference)",
+    "eval-stepwise": "chain-drafting simulation: per-step acceptance alpha_k, MAT, retention, intervals",
+    "eval-e2e": "real speculative decoding (chain and tree) against plain decoding: tau, speedup, lossless",
+    "report": "tables, figures and the claims verdict from the result files",
+    "scaling-report": "MAT against the number of training samples (figures/scaling.pdf)",
+}
+# what each path flag names (every one required)
+PATH_HELP = {
+    "out": "output file or folder (written atomically)",
+    "train": "train split JSONL (results/data/train.jsonl)",
+    "eval": "eval split JSONL (results/data/eval.jsonl)",
+    "tokenizer": "tokenizer folder (results/target/tokenizer)",
+    "metrics": "where to write the target's metrics JSON",
+    "split": "the split JSONL to capture features for",
+    "target": "target folder (results/target)",
+    "variant": "drafter variant name from drafters.variants",
+    "train-features": "train features folder (results/features/train)",
+    "eval-features": "eval features folder (results/features/eval)",
+    "drafter": "drafter folder (results/drafters/<variant>)",
+    "continuations": "target continuations JSON (results/eval/continuations.json)",
+    "features-index": "a features index.json (its aux layers are the drafter's inputs)",
+    "results": "the results folder",
+    "tables": "folder for the tables (csv, md, tex)",
+    "figures": "folder for the figures (pdf)",
+    "claims-md": "where to write the claims verdict (markdown)",
+    "claims-json": "where to write the claims verdict (JSON)",
+    "figure": "where to write the scaling figure",
+    "table": "where to write the scaling table",
+}
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvshot", description=__doc__)
-    sub = p.add_subparsers(dest="stage", required=True)
+    p = argparse.ArgumentParser(prog="kvshot", description=__doc__ + " Each stage's --help lists its flags.")
+    sub = p.add_subparsers(dest="stage", required=True, metavar="<stage>")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", action="append", required=True,
                         help="config file or inline JSON; repeat to overlay (later wins)")
@@ -155,9 +195,9 @@ def parser() -> argparse.ArgumentParser:
         "report": ("results", "tables", "figures", "claims-md", "claims-json"),
     }
     for stage, names in paths.items():
-        s = sub.add_parser(stage, parents=[common])
+        s = sub.add_parser(stage, parents=[common], help=STAGE_HELP[stage], description=STAGE_HELP[stage])
         for name in names:
-            s.add_argument(f"--{name}", required=True)
+            s.add_argument(f"--{name}", required=True, help=PATH_HELP[name])
         if stage == "prepare-data":
             s.add_argument("--train-samples", type=int, default=None,
                            help="override data.train_samples (scaling sweeps)")
@@ -166,25 +206,26 @@ def parser() -> argparse.ArgumentParser:
                            help="the job's wall-clock limit: checkpoint and exit 75 at this less "
                                 "drafters.train.stop_margin_minutes, counted from process start")
     s = sub.add_parser("readme", parents=[common], help="regenerate the README's results block")
-    s.add_argument("--results", default="results")
-    s.add_argument("--readme", default="README.md")
-    s.add_argument("--image", default="docs/decay.png")
+    s.add_argument("--results", default="results", help="the results folder of a finished run")
+    s.add_argument("--readme", default="README.md", help="the README whose results block is replaced")
+    s.add_argument("--image", default="docs/decay.png", help="where to copy the decay figure as PNG")
     # EAGLE-3 checkpoints (kvshot.export); --config optional: only features.aux_layers is read
     s = sub.add_parser("export", help="write a drafter as a checkpoint serving engines load")
-    s.add_argument("drafter")
-    s.add_argument("out")
-    s.add_argument("--format", choices=["eagle3"], required=True)
+    s.add_argument("drafter", help="a trained drafter folder (results/drafters/<variant>)")
+    s.add_argument("out", help="the checkpoint folder to write")
+    s.add_argument("--format", choices=["eagle3"], required=True, help="checkpoint layout (docs/drafter_format.md)")
     s.add_argument("--target", default=None, help="the target folder: max positions, aux layers, checks")
-    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    s.add_argument("--config", action="append", default=None)
-    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="dtype of the written weights")
+    s.add_argument("--config", action="append", default=None, help="optional: only features.aux_layers is read")
+    s.add_argument("--threads", type=int, default=None, help="torch threads")
     s = sub.add_parser("import", help="read an EAGLE-3 checkpoint folder into a kvshot drafter")
-    s.add_argument("checkpoint")
-    s.add_argument("out")
-    s.add_argument("--format", choices=["eagle3"], required=True)
+    s.add_argument("checkpoint", help="an EAGLE-3 checkpoint folder (config.json + weights)")
+    s.add_argument("out", help="the kvshot drafter folder to write")
+    s.add_argument("--format", choices=["eagle3"], required=True, help="checkpoint layout")
     s.add_argument("--target", required=True, help="the target folder (its embedding fills the drafter's)")
-    s.add_argument("--config", action="append", default=None)
-    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--config", action="append", default=None, help="optional config (not read by import)")
+    s.add_argument("--threads", type=int, default=None, help="torch threads")
     return p
 
 
@@ -201,6 +242,7 @@ def os_error_line(exc: OSError, output: str | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    quiet_library_bars()   # under Snakemake stderr is a log file: no tqdm redraws from transformers/hub
     fn, sections = STAGES[args.stage]
     try:
         cfg = read_config(args.config, sections) if args.config else {}   # export/import: config optional

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -248,7 +248,6 @@ class FeatureSpec:
     aux_layers: tuple[int, ...]   # indices into HF `hidden_states` (0 = embeddings)
     kv_layers: tuple[int, ...]    # 0-based decoder layer indices
     dtype: str = "float32"
-    extra: dict = field(default_factory=dict)
 
 
 def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:

@@ -308,7 +308,7 @@ def iter_hub_dataset(name: str, split: str, schema: str, stats: LoadStats,
 def iter_sources(sources: list[dict], stats_out: list) -> Iterator[tuple[int, int, list[dict]]]:
     """(source index, index among the source's kept records, messages) for every kept
     record, source by source; one LoadStats per source is appended to stats_out."""
-    from tqdm import tqdm
+    from .progress import Progress
 
     for index, src in enumerate(sources):
         kind, cap = src.get("kind"), src.get("max_records")
@@ -327,8 +327,7 @@ def iter_sources(sources: list[dict], stats_out: list) -> Iterator[tuple[int, in
                                   revision=src.get("revision"))
         else:
             raise DataError(f"source {index}: unknown kind {kind!r}")
-        with tqdm(desc=stats.source[:40], unit="rec", file=sys.stderr,
-                  mininterval=1.0, leave=False) as bar:
+        with Progress(desc=stats.source[:40], unit="rec") as bar:
             for k, messages in enumerate(it):
                 yield index, k, messages
                 bar.update(stats.read - bar.n)

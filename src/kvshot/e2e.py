@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from .config import Runtime
 from .data import DataError
 from .decode import DecodeResult, DraftSpec, plain_generate, speculative_generate
 from .io import read_json, write_json
+from .progress import progress
 from .stepwise import read_continuations
 
 
@@ -114,7 +114,7 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dir: str, target_dir: str, con
             speculative_generate(target, drafter, ids(it), 8, eos, aux, spec)
     start = time.time()
     baseline, runs = [], {m: [] for m in modes}
-    for it in tqdm(items, desc=f"e2e {Path(drafter_dir).name}", mininterval=5):
+    for it in progress(items, desc=f"e2e {Path(drafter_dir).name}", unit="prompt"):
         baseline.append(plain_generate(target, ids(it), n_new, eos))
         for m, spec in modes.items():
             runs[m].append(speculative_generate(target, drafter, ids(it), n_new, eos, aux, spec))

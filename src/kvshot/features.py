@@ -15,13 +15,13 @@ from typing import Iterator, Protocol
 import torch
 from safetensors import safe_open
 from torch import Tensor
-from tqdm import tqdm
 
 from .config import FeatureSpec, Runtime, feature_spec
 from .data import read_jsonl, tokenize_conversation
 from .integrity import file_record, verify_file
 from .io import atomic_dir, read_json, write_json
 from .shard_writer import ShardWriter
+from .progress import progress
 from .target import load_target, target_forward
 
 INDEX = "index.json"
@@ -119,7 +119,7 @@ def capture_split(cfg: dict, rt: Runtime, split_jsonl: str, target_dir: str, out
     with atomic_dir(out_dir) as tmp:
         groups = length_batches(lengths, fcfg["batch_tokens"])
         with ShardWriter(tmp, [i for g in groups for i in g], lengths, fcfg["shard_tokens"]) as writer:
-            for group in tqdm(groups, desc=f"capture {Path(split_jsonl).stem}", mininterval=5):
+            for group in progress(groups, desc=f"capture {Path(split_jsonl).stem}", unit="batch"):
                 batch = pad_batch([samples[i] for i in group], tokenizer.pad_token_id)
                 # a temporary: the batch's activations are freed before the next forward allocates its own
                 writer.add(group, batch_rows(model, batch, spec, rt.device) if offline else

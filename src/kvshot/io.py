@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 
 def _finite(obj):
@@ -37,19 +37,34 @@ def remove_leftovers(path: str | Path) -> list[Path]:
     return gone
 
 
-def write_text(path: str | Path, text: str) -> None:
+@contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    """Yield a scratch file name beside `path`; it becomes `path` (mode 0644) only if the block
+    succeeds. The one atomic-file writer: text, JSON lines, figures (`savefig(tmp, format=...)`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+        yield Path(tmp)
         os.chmod(tmp, 0o644)  # mkstemp makes 0600 files
         os.replace(tmp, path)
-    except BaseException:
+    finally:
         Path(tmp).unlink(missing_ok=True)
-        raise
+
+
+def write_lines(path: str | Path, lines: Iterable[str]) -> None:
+    """Stream `lines` (each with its newline) into `path` atomically, synced before the rename."""
+    with atomic_file(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.writelines(lines)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def write_text(path: str | Path, text: str) -> None:
+    write_lines(path, [text])
 
 
 def write_json(path: str | Path, obj) -> None:

@@ -13,19 +13,12 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
+from .io import write_lines
+
 
 def atomic_write(path: Path, lines: Iterable[str]) -> None:
-    # Temp file in the same directory + os.replace: a killed job never leaves a partial file.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.writelines(lines)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # io's one atomic writer: temp file beside `path`, fsync, rename, mode 0644
+    write_lines(path, lines)
 
 
 class RankedWriter:

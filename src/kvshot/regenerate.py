@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from .chat import encode_prompt
 from .config import Runtime
 from .data import read_jsonl
+from .progress import progress
 from .ranked_writer import atomic_write
 
 DEFAULTS = {"enabled": False, "max_new_tokens": 512, "batch_size": 32, "temperature": 0.0, "max_turns": None,
@@ -58,7 +58,7 @@ def regenerate_conversations(target, tokenizer, conversations: list[dict], rcfg:
              "empty_answers": 0, "dropped": 0}
     out: list[dict] = []
     bs = rcfg["batch_size"]
-    for first in tqdm(range(0, len(conversations), bs), desc="regenerate", mininterval=5):
+    for first in progress(range(0, len(conversations), bs), desc="regenerate", unit="batch"):
         batch = conversations[first: first + bs]
         # per conversation: the messages up to each assistant turn's position, that turn dropped
         todo = [[i for i, m in enumerate(c["messages"]) if m["role"] == "assistant"][: rcfg["max_turns"]]

@@ -8,7 +8,6 @@ from typing import Iterator
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 from .config import Runtime, drafter_autocast
 from .chat import encode_prompt
@@ -19,6 +18,7 @@ from .io import read_json, write_json
 from .metrics import DEFAULT_MIN_ROUNDS, chain_counts, chain_summary
 from .target import target_forward
 from .ttt import unroll
+from .progress import progress
 
 
 def prompt_conversations(eval_jsonl: str | Path, n: int, sources: list[dict] | None = None) -> list[list[dict]]:
@@ -49,7 +49,7 @@ def eval_prompts(conversations: list[list[dict]], tokenizer, max_prompt_len: int
 def greedy_continuations(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, device: str) -> list[dict]:
     """The target's own greedy output for each prompt (batch 1: no padding effects)."""
     out = []
-    for ids in tqdm(prompts, desc="target continuations", mininterval=5):
+    for ids in progress(prompts, desc="target continuations", unit="prompt"):
         x = torch.tensor([ids], device=device)
         gen = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -90,7 +90,7 @@ def chain_correct(drafter: Drafter, target, items: list[dict], aux_layers: tuple
     drafter.eval()
     kv_layers = tuple(drafter.cfg.kv_layers)
     head = target.lm_head.weight
-    for i in tqdm(range(0, len(items), batch_size), desc="stepwise", mininterval=5):
+    for i in progress(range(0, len(items), batch_size), desc="stepwise", unit="batch"):
         group = items[i: i + batch_size]
         seqs = [torch.tensor(it["prompt"] + it["continuation"]) for it in group]
         batch = pad_batch([{"input_ids": s, "loss_mask": torch.ones_like(s, dtype=torch.uint8)} for s in seqs])

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from .config import Runtime
 from .data import encode_prompt, read_jsonl, tokenize_conversation
 from .integrity import verify_folder, write_manifest
 from .io import atomic_dir, read_json, write_json
+from .progress import Progress
 from .tokenizer import load_tokenizer
 
 META_FILE = "kvshot_target.json"
@@ -196,7 +196,8 @@ def pretrain(model: Qwen3ForCausalLM, blocks: Tensor, pcfg: dict, rt: Runtime) -
     cursor, epoch, losses = 0, 0, []
     start, stopped_by = time.time(), "max_steps"
     model.train()
-    for step in (bar := tqdm(range(steps), desc="pretrain target", mininterval=5)):
+    bar = Progress(total=steps, desc="pretrain target", unit="step")
+    for step in range(steps):
         if cursor + bs > len(order):
             order, cursor, epoch = torch.randperm(len(blocks), generator=gen), 0, epoch + 1
         x = blocks[order[cursor: cursor + bs]].to(rt.device)
@@ -210,10 +211,12 @@ def pretrain(model: Qwen3ForCausalLM, blocks: Tensor, pcfg: dict, rt: Runtime) -
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.set_postfix(loss=round(losses[-1], 4), lr=sched.get_last_lr()[0])
+        bar.update(1)
         if time.time() - start > 60 * pcfg["max_minutes"]:
             stopped_by = "max_minutes"
             break
+    bar.close()
     model.eval()
     return {"train_steps": len(losses), "train_epochs": epoch + cursor / len(order), "train_blocks": len(blocks),
             "train_tokens_seen": len(losses) * bs * blocks.shape[1], "stopped_by": stopped_by,

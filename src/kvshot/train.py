@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from .config import ConfigError, Runtime, drafter_autocast
 from .drafters import Drafter, DrafterConfig, build_drafter
@@ -26,6 +25,7 @@ from .features import FeatureSource, open_features
 from .integrity import content_digest, folder_digest
 from .io import read_json, write_json
 from .target import load_target, lr_at, rope_theta, target_queries
+from .progress import Progress
 from .ttt import (Unrolled, label_positions, query_cosine, scored_tokens, step_losses, target_labels, unroll,
                   weighted_loss)
 
@@ -331,8 +331,8 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     if bs % world:
         raise ConfigError(f"config: drafters.train.batch_size: {bs} is not divisible by {world} processes")
     start, tokens_seen = time.time(), 0
-    bar = tqdm(total=tc["max_steps"], initial=progress["step"], desc=f"train {name}", mininterval=5,
-               disable=rank != 0)
+    bar = Progress(total=tc["max_steps"], initial=progress["step"], desc=f"train {name}", unit="step",
+                   disable=rank != 0)
     model.train()
     while progress["step"] < tc["max_steps"]:
         step = progress["step"]
@@ -374,7 +374,11 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
                 g = model.gate().detach()
                 rec["gate"] = {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max())}
             progress["log"].append(rec)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc_k'][0]:.2f}")
+            tok_s = tokens_seen * world / max(time.time() - start, 1e-9)
+            bar.set_postfix(loss=round(rec["loss"], 4), acc0=round(rec["acc_k"][0], 3), lr=rec["lr"], tok_s=round(tok_s))
+            # the loss log, one flushed line per log_every steps (progress lines fill gaps over 30 s)
+            bar.write(f"train {name}: step {step + 1}/{tc['max_steps']} loss {rec['loss']:.4f} "
+                      f"acc0 {rec['acc_k'][0]:.3f} lr {rec['lr']:.3g} tokens/s {tok_s:.0f}")
         bar.update(1)
         if progress["step"] % tc["ckpt_every"] == 0 and progress["step"] < tc["max_steps"]:
             if rank == 0:

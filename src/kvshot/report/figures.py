@@ -1,8 +1,6 @@
 """The paper's figures (PDF), from the result files only."""
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -11,6 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from ..io import atomic_file  # noqa: E402
 from .results import PAPER, Variant, roles  # noqa: E402
 
 PAPER_STYLE = {"marker": "X", "s": 90, "color": "black", "zorder": 5}
@@ -22,16 +21,11 @@ def _style():
 
 def _save(fig, path: str | Path) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
-    os.close(fd)
     try:
-        fig.savefig(tmp, bbox_inches="tight", dpi=110)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, format=path.suffix.lstrip(".") or None, bbox_inches="tight", dpi=110)
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
 
 
 def _err(values, cis):
