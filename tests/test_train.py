@@ -109,6 +109,7 @@ def test_upstream_change_retrains_from_step_0(tiny, tiny_features, tmp_path, mon
     from transformers import Qwen3ForCausalLM
 
     from kvshot.features import capture_split
+    from kvshot.integrity import write_manifest
 
     cfg = small_cfg(tiny)
     target, feats = tmp_path / "target", {s: tmp_path / "features" / s for s in ("train", "eval")}
@@ -126,6 +127,7 @@ def test_upstream_change_retrains_from_step_0(tiny, tiny_features, tmp_path, mon
         for p in model.parameters():
             p.mul_(1.05)
     model.save_pretrained(str(target))
+    write_manifest(target)   # as the target stage does after writing the model
     for split, folder in feats.items():
         shutil.rmtree(folder)
         capture_split(tiny["cfg"], tiny["rt"], str(tiny[split]), str(target), str(folder))
