@@ -13,6 +13,7 @@ from kvshot.metrics import chain_summary
 from kvshot.report.claims import (INCONCLUSIVE, MISSING, NOT_REPRODUCED, OVERHEAD_BAND, REPRODUCED, Estimate,
                                   evaluate_claims, greater)
 from kvshot.report.results import PAPER, load_variants
+from kvshot.stepwise import by_context
 
 NAMES = ["eagle3", "kv-d1", "kv-d2", "kv-d4", "hybrid", "standalone"]
 SPEC = {"eagle3": ("hidden", 1), "kv-d1": ("kv", 1), "kv-d2": ("kv", 2), "kv-d4": ("kv", 4), "hybrid": ("hybrid", 1),
@@ -40,15 +41,27 @@ def chain_counts_for(alphas: list[float], rounds: int, sequences: int) -> tuple[
     return torch.tensor([reached] * sequences), torch.tensor([accepted] * sequences)
 
 
-def stepwise_record(alphas: list[float], paradigm: str, layers: int, rounds: int = 200_000, seed: int = 0) -> dict:
-    """stepwise.json for `rounds` drafting rounds spread over up to 20 prompts (100 rounds each at least)."""
+def stepwise_record(alphas: list[float], paradigm: str, layers: int, rounds: int = 200_000, seed: int = 0,
+                    protocol: str = "continuations", repetition: float = 0.10) -> dict:
+    """stepwise.json for `rounds` drafting rounds spread over up to 20 prompts (100 rounds each at least),
+    whose reference tokens repeat an earlier 4-gram at the share `repetition`."""
     sequences = max(1, min(20, rounds // 100))
     reached, accepted = chain_counts_for(alphas, rounds // sequences, sequences)
-    return {"acc": alphas, "sequences": sequences, "steps": len(alphas), "paradigm": paradigm, "layers": layers,
+    tokens = 10_000
+    # 100 anchors per context bucket; row i accepts step k while i < accepted_k (a chain)
+    accepted_per_bucket = chain_counts_for(alphas, 100, 1)[1][0]
+    correct = torch.arange(100)[:, None] < accepted_per_bucket[None]
+    contexts = torch.tensor([c for c in (50, 200, 400, 700) for _ in range(100)])
+    return {"by_context": by_context(contexts, correct.repeat(4, 1), [128, 256, 512]), "acc": alphas, "sequences": sequences, "steps": len(alphas), "paradigm": paradigm, "layers": layers,
+            "protocol": protocol, "max_repetition": 0.25,
+            "repetition": {"share": repetition, "repeated": round(repetition * tokens), "tokens": tokens, "ngram": 4},
             **chain_summary(reached, accepted, samples=200, seed=seed, min_rounds=MIN_ROUNDS)}
 
 
-def train_log(paradigm: str, gate_final: float, own_key_mass: float | None, grad_ratio: float) -> list[dict]:
+def train_log(paradigm: str, gate_final: float, own_key_mass: float | None, grad_ratio: float,
+              gate_share_final: float | None = None) -> list[dict]:
+    """Logged every 5 steps. The hybrid's gate share |g delta|/|h| starts at 0.2 and ends at
+    gate_share_final (default: following g, 0.2 * g / 0.5); NaN: not logged (older logs)."""
     log = []
     for step in range(0, 20, 5):
         rec = {"step": step, "loss": 1.0, "grad_norm": {"body": 1.0, "lm_head": 1.0}, "kv_key_share": None}
@@ -60,6 +73,9 @@ def train_log(paradigm: str, gate_final: float, own_key_mass: float | None, grad
         if paradigm == "hybrid":
             g = 0.5 + (gate_final - 0.5) * step / 15
             rec["gate"] = {"mean": g, "min": g, "max": g}
+            final = 0.2 * gate_final / 0.5 if gate_share_final is None else gate_share_final
+            if final == final:
+                rec["gate_share"] = [0.2 + (final - 0.2) * step / 15]
         log.append(rec)
     return log
 
@@ -73,19 +89,24 @@ def e2e_record(tau: float, draft_s: float, rounds: int) -> dict:
 
 def write_results(root: Path, alphas: dict = ALPHAS, rounds: dict | None = None, gate_final: float = 0.05,
                   tau: tuple = (3.0, 3.05), draft_s: tuple = (0.010, 0.0108), e2e_rounds: int = 400,
-                  own_key_mass: float | None = 0.05, grad_ratio: float = 0.05, seeds: list[dict] | None = None) -> Path:
+                  own_key_mass: float | None = 0.05, grad_ratio: float = 0.05, seeds: list[dict] | None = None,
+                  gate_share_final: float | None = None, repetition: float = 0.10,
+                  natural: dict | None = None, natural_repetition: float = 0.03) -> Path:
     """One study's result files. seeds: per-seed overrides of the keyword arguments (each seed's
-    records go into the `per_seed` lists of the same files)."""
+    records go into the `per_seed` lists of the same files). natural: alphas of a second,
+    natural-text protocol (stepwise_natural.json) with its own reference repetition."""
     seeds = seeds or []
     for name in NAMES:
         paradigm, layers = SPEC[name]
         is_h = name == "hybrid"
 
         def records(alphas=alphas, rounds=rounds, gate_final=gate_final, tau=tau, draft_s=draft_s,
-                    e2e_rounds=e2e_rounds, own_key_mass=own_key_mass, grad_ratio=grad_ratio, seed=0):
-            sw = stepwise_record(alphas[name], paradigm, layers, rounds=(rounds or {}).get(name, 200_000), seed=seed)
+                    e2e_rounds=e2e_rounds, own_key_mass=own_key_mass, grad_ratio=grad_ratio, seed=0,
+                    gate_share_final=gate_share_final):
+            sw = stepwise_record(alphas[name], paradigm, layers, rounds=(rounds or {}).get(name, 200_000), seed=seed,
+                                 repetition=repetition)
             e2e = e2e_record(tau[is_h], draft_s[is_h], e2e_rounds)
-            return sw, e2e, train_log(paradigm, gate_final, own_key_mass, grad_ratio)
+            return sw, e2e, train_log(paradigm, gate_final, own_key_mass, grad_ratio, gate_share_final)
 
         sw, e2e, log = records()
         per_seed = [records(**(s | {"seed": i + 1})) for i, s in enumerate(seeds)]
@@ -95,6 +116,9 @@ def write_results(root: Path, alphas: dict = ALPHAS, rounds: dict | None = None,
             e2e["per_seed"] = [e for _, e, _ in per_seed]
             metrics["per_seed"] = [{"train_log": lg} for _, _, lg in per_seed]
         write_json(root / "eval" / name / "stepwise.json", sw)
+        if natural:
+            write_json(root / "eval" / name / "stepwise_natural.json",
+                       stepwise_record(natural[name], paradigm, layers, protocol="natural", repetition=natural_repetition))
         write_json(root / "eval" / name / "e2e.json", e2e)
         write_json(root / "drafters" / name / "train_log.json", log)
         write_json(root / "drafters" / name / "metrics.json", metrics)
@@ -198,6 +222,43 @@ def test_e2e_overhead_against_the_papers_band(tmp_path, kwargs, verdict):
 @pytest.mark.parametrize("gate_final,verdict", [(0.05, REPRODUCED), (0.6, NOT_REPRODUCED), (0.4, INCONCLUSIVE)])
 def test_gate_collapse(tmp_path, gate_final, verdict):
     assert verdicts(write_results(tmp_path, gate_final=gate_final))["gate collapse"] == verdict
+
+
+def test_gate_collapse_reads_the_measured_share_not_g(tmp_path):
+    # g stays open at 0.5, yet the gated correction shrinks to 0.1% of |h|: the branch is closed
+    c = claims(write_results(tmp_path, gate_final=0.5, gate_share_final=0.001))["gate collapse"]
+    assert c["verdict"] == REPRODUCED and "effectively unused" in c["note"]
+    assert c["numbers"]["final g"] == "0.500" and c["numbers"]["final share"] == "0.0010"
+    # g falls, but g * delta keeps its share of h: not reproduced
+    assert verdicts(write_results(tmp_path, gate_final=0.05, gate_share_final=0.3))["gate collapse"] == NOT_REPRODUCED
+    # g alone decides nothing
+    c = claims(write_results(tmp_path, gate_final=0.05, gate_share_final=float("nan")))["gate collapse"]
+    assert c["verdict"] == INCONCLUSIVE and "only g is logged" in c["note"]
+
+
+# ---------------------------------------------------------------- evaluation protocols
+
+def test_claims_are_judged_on_the_protocol_whose_reference_does_not_repeat(tmp_path):
+    reversed_p1 = changed(**{"kv-d4": {6: 0.40}})
+    # the continuations repeat themselves (58%): the natural protocol (3%) decides
+    got = claims(write_results(tmp_path, repetition=0.58, natural=reversed_p1))
+    assert got["P1 long-range advantage"]["verdict"] == NOT_REPRODUCED
+    assert {c["protocol"] for c in got.values() if "protocol" in c} == {"natural"}
+    assert got["P1 long-range advantage"]["reference_repetition"] == 0.03
+    assert "protocol" not in got[E2E] and "protocol" not in got["gate collapse"]
+    # a continuations reference within the limit is the paper's protocol: it decides
+    got = claims(write_results(tmp_path, repetition=0.10, natural=reversed_p1))
+    assert got["P1 long-range advantage"]["verdict"] == REPRODUCED and got["P1 long-range advantage"]["protocol"] == \
+        "continuations"
+
+
+def test_no_protocol_within_the_repetition_limit_is_said(tmp_path):
+    got = claims(write_results(tmp_path, repetition=0.58, natural=ALPHAS, natural_repetition=0.40))
+    p1 = got["P1 long-range advantage"]
+    assert p1["protocol"] == "natural" and "least repetitive" in p1["note"]
+    from kvshot.report.claims import claims_markdown
+
+    assert "judged on the `natural` protocol" in claims_markdown(list(got.values()))
 
 
 @pytest.mark.parametrize("mass,ratio,verdict", [

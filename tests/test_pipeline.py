@@ -60,13 +60,23 @@ def test_smoke_dag_end_to_end(tmp_path):
         assert (folder / "model.safetensors").exists() and not (wd / f"results/drafters/{name}.ckpt").exists()
         stepwise = json.loads((wd / f"results/eval/{name}/stepwise.json").read_text())
         assert len(stepwise["alpha"]) == 7 and stepwise["rounds"][0] > 0 and stepwise["mat"] >= 1
+        natural = json.loads((wd / f"results/eval/{name}/stepwise_natural.json").read_text())
+        assert natural["protocol"] == "natural" and 0 < natural["rounds"][0] <= 24   # one round per anchor at most
+        for sw in (stepwise, natural):
+            assert 0 <= sw["repetition"]["share"] <= 1 and sum(sw["by_context"]["anchors"]) == sw["rounds"][0]
+        if name.startswith("kv") or name == "hybrid":   # measured diagnostics (a batch with a scored row)
+            measured = [r for r in log if r.get("kv_own_key_mass") is not None]
+            assert measured and all(len(r["kv_own_key_mass_k"]) == 7 and 0 < r["kv_own_key_mass"] < 1 for r in measured)
+        assert any("gate_share" in r for r in log) == (name == "hybrid")
         e2e = json.loads((wd / f"results/eval/{name}/e2e.json").read_text())
         assert e2e["lossless"] is True and set(e2e["modes"]) == {"chain", "tree"}
-    for fig in ("decay", "depth", "gate", "gradients", "query_error", "e2e"):
+    for fig in ("decay", "depth", "gate", "gradients", "query_error", "e2e", "context"):
         assert (wd / f"figures/{fig}.pdf").read_bytes()[:4] == b"%PDF"
     claims = json.loads((wd / "results/claims.json").read_text())
     assert len(claims) == 8 and all(c["verdict"] for c in claims)
-    for table in ("stepwise", "depth", "e2e", "paper"):
+    assert {c["protocol"] for c in claims if "protocol" in c} <= {"continuations", "natural"}
+    assert len(json.loads((wd / "results/eval/natural.json").read_text())["items"]) == 24
+    for table in ("stepwise", "steps", "context", "depth", "e2e", "paper"):
         assert (wd / f"results/tables/{table}.csv").exists()
     rules = ["prepare_data", "train_tokenizer", "target", "capture_features_train", "capture_features_eval",
              "target_continuations", "report"]
@@ -80,7 +90,7 @@ def test_smoke_dag_end_to_end(tmp_path):
     assert all(name in html for name in ("decay.pdf", "claims.md", "stepwise.csv"))
     # everything is up to date afterwards; a config change reruns only what depends on it
     assert "Nothing to be done" in (snakemake(wd, "-n", "--configfile", "config/smoke.yaml").stdout)
-    (wd / "more.yaml").write_text("features:\n  kv_layers: [3]\n")
+    (wd / "more.yaml").write_text("features:\n  kv_layers: [0, 1, 2, 3]\n")   # every variant's layers (checks.py)
     jobs = dry_run_jobs(wd, "config/smoke.yaml", "more.yaml")
     downstream = {"train_drafter": 6, "eval_stepwise": 6, "eval_e2e": 6, "report": 1, "all": 1}
     assert jobs == {"capture_features": 2, **downstream}

@@ -28,7 +28,7 @@ def test_paper_shaped_results_reproduce_every_claim(tmp_path):
     write_results(tmp_path)
     verdicts = report(tmp_path)
     assert set(verdicts.values()) == {REPRODUCED}, verdicts
-    for fig in ("decay", "depth", "gate", "gradients", "query_error", "e2e"):
+    for fig in ("decay", "depth", "gate", "gradients", "query_error", "e2e", "context"):
         assert (tmp_path / "figures" / f"{fig}.pdf").read_bytes()[:4] == b"%PDF"
     stepwise = rows(tmp_path, "stepwise")
     assert [r["variant"] for r in stepwise] == NAMES and float(stepwise[0]["alpha_6"]) == pytest.approx(0.47, abs=1e-3)
@@ -36,7 +36,7 @@ def test_paper_shaped_results_reproduce_every_claim(tmp_path):
     sw = load_variants(tmp_path, NAMES)[0].stepwise
     assert [int(stepwise[0][f"n_{k}"]) for k in range(7)] == sw["rounds"] and sw["rounds"][6] < sw["rounds"][0]
     assert float(stepwise[0]["MAT"]) == pytest.approx(sw["mat"])
-    for name in ("stepwise", "steps", "depth", "e2e", "paper"):
+    for name in ("stepwise", "steps", "context", "depth", "e2e", "paper"):
         assert (tmp_path / f"tables/{name}.md").exists() and "tabular" in (tmp_path / f"tables/{name}.tex").read_text()
     steps = [r for r in rows(tmp_path, "steps") if r["variant"] == "eagle3"]
     assert [int(r["accepted"]) for r in steps] == sw["accepted"]
@@ -99,3 +99,29 @@ def test_readme_block_is_regenerated_from_results(tmp_path):
     assert (tmp_path / "docs/decay.png").read_bytes()[:4] == b"\x89PNG"
     update_readme(str(tmp_path), NAMES, str(readme), str(tmp_path / "docs/decay.png"))
     assert readme.read_text() == text
+
+
+def test_both_protocols_in_tables_figures_and_readme(tmp_path):
+    from kvshot.report import update_readme
+
+    natural = changed(**{"kv-d4": {6: 0.40}})
+    write_results(tmp_path, repetition=0.58, natural=natural)
+    verdicts = report(tmp_path)
+    assert verdicts["P1 long-range advantage"] == NOT_REPRODUCED          # judged on the natural protocol
+    stepwise = rows(tmp_path, "stepwise")
+    assert [(r["protocol"], r["variant"]) for r in stepwise] == [(p, n) for p in ("continuations", "natural") for n in NAMES]
+    assert {r["protocol"]: float(r["repetition"]) for r in stepwise} == {"continuations": 0.58, "natural": 0.03}
+    kv_d4 = {r["protocol"]: float(r["alpha_6"]) for r in stepwise if r["variant"] == "kv-d4"}
+    assert kv_d4["natural"] == pytest.approx(0.40, abs=1e-3) and kv_d4["continuations"] == pytest.approx(0.51, abs=1e-3)
+    assert {r["protocol"] for r in rows(tmp_path, "steps")} == {"continuations", "natural"}
+    context = rows(tmp_path, "context")
+    assert len(context) == 2 * len(NAMES) * 4 and {r["context"] for r in context} == {"<128", "128-256", "256-512", ">=512"}
+    assert int(context[0]["n_0"]) == 100 and float(context[0]["alpha_0"]) == pytest.approx(0.80)
+    assert {r["protocol"] for r in rows(tmp_path, "depth")} == {"natural"}
+    assert (tmp_path / "figures/context.pdf").read_bytes()[:4] == b"%PDF"
+    assert "judged on the `natural` protocol" in (tmp_path / "claims.md").read_text()
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- results:start -->\n<!-- results:end -->\n")
+    update_readme(str(tmp_path), NAMES, str(readme), str(tmp_path / "decay.png"))
+    text = readme.read_text()
+    assert "| natural | 0.030 | eagle3 |" in text and "| continuations | 0.580 | eagle3 |" in text

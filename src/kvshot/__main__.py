@@ -78,14 +78,14 @@ def _cmd_import(args, cfg) -> dict:
 def _cmd_target_continuations(args, cfg) -> dict:
     from .stepwise import run_continuations_stage
 
-    return run_continuations_stage(cfg, runtime(cfg), args.eval, args.target, args.out)
+    return run_continuations_stage(cfg, runtime(cfg), args.eval, args.target, args.out, args.natural_out)
 
 
 def _cmd_eval_stepwise(args, cfg) -> dict:
     from .stepwise import run_stepwise_stage
 
     return run_stepwise_stage(cfg, runtime(cfg), args.drafter, args.target, args.continuations,
-                              args.features_index, args.out)
+                              args.features_index, args.out, args.natural, args.natural_out)
 
 
 def _cmd_eval_e2e(args, cfg) -> dict:
@@ -201,6 +201,11 @@ def parser() -> argparse.ArgumentParser:
         if stage == "prepare-data":
             s.add_argument("--train-samples", type=int, default=None,
                            help="override data.train_samples (scaling sweeps)")
+        if stage in ("target-continuations", "eval-stepwise"):   # the natural-text protocol (optional)
+            s.add_argument("--natural-out", default=None, help="natural protocol: where to write the target's "
+                           "rollouts (target-continuations) or their step-wise results (eval-stepwise)")
+        if stage == "eval-stepwise":
+            s.add_argument("--natural", default=None, help="the target's rollouts at real anchors (results/eval/natural.json)")
         if stage == "train-drafter":
             s.add_argument("--runtime-minutes", type=float, default=None,
                            help="the job's wall-clock limit: checkpoint and exit 75 at this less "

@@ -1,7 +1,17 @@
-"""Evaluation prompts, the target's cached greedy continuations, and the step-wise
-chain-drafting simulation (alpha_k, acc_k, MAT, retention with bootstrap intervals)."""
+"""Evaluation prompts, the target's reference chains, and the step-wise chain-drafting
+simulation (alpha_k, acc_k, MAT, retention with intervals), under two protocols:
+
+continuations  the paper's: every anchor of the target's greedy continuation of each eval prompt
+               (greedy text from a small target loops: see the repetition share);
+natural        anchors in real held-out assistant text (seeded), each scored against the
+               target's own greedy rollout from that real prefix (`natural_anchors`).
+
+Each protocol reports the repetition share of its reference tokens (`repetition_share`) and
+alpha_k by the anchor's context length (`by_context`).
+"""
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 from typing import Iterator
@@ -9,13 +19,13 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from .config import Runtime, drafter_autocast
-from .chat import encode_prompt
+from .config import ConfigError, Runtime, drafter_autocast
+from .chat import encode_prompt, tokenize_conversation
 from .data import DataError, read_jsonl
 from .drafters import Drafter
 from .features import pad_batch
 from .io import read_json, write_json
-from .metrics import DEFAULT_MIN_ROUNDS, chain_counts, chain_summary
+from .metrics import DEFAULT_MIN_ROUNDS, chain_counts, chain_summary, jeffreys_interval
 from .target import target_forward
 from .ttt import unroll
 from .progress import progress
@@ -57,7 +67,63 @@ def greedy_continuations(target, tokenizer, prompts: list[list[int]], max_new_to
     return out
 
 
-def run_continuations_stage(cfg: dict, rt: Runtime, eval_jsonl: str, target_dir: str, out_path: str) -> dict:
+NATURAL_DEFAULTS = {"anchors": 256, "max_prefix_len": 512, "rollout_tokens": 8, "batch_size": 16}
+
+
+def natural_config(ecfg: dict) -> dict:
+    return NATURAL_DEFAULTS | (ecfg.get("natural") or {})
+
+
+def natural_anchors(conversations: list[list[dict]], tokenizer, n: int, max_prefix_len: int, seed: int) -> list[dict]:
+    """`n` anchors drawn (seeded, without replacement) from every position of the conversations
+    whose token is assistant text followed by more of it; each is the real prefix up to and
+    including that token (at most max_prefix_len tokens, rendered as training text)."""
+    candidates, tokens = [], []
+    for c, msgs in enumerate(conversations):
+        ids, mask = tokenize_conversation(tokenizer, msgs, max_prefix_len + 1)
+        tokens.append(ids)
+        candidates += [(c, a) for a in range(min(len(ids) - 1, max_prefix_len)) if mask[a] and mask[a + 1]]
+    picked = sorted(random.Random(seed).sample(candidates, min(n, len(candidates))))
+    return [{"conversation": c, "prompt": tokens[c][: a + 1]} for c, a in picked]
+
+
+@torch.no_grad()
+def greedy_rollouts(target, prompts: list[list[int]], tokens: int, eos_id: int | None, pad_id: int, device: str,
+                    batch_size: int) -> list[list[int]]:
+    """The target's greedy `tokens` after each prompt, batched across prompts (left padding,
+    positions from the attention mask; prompts sorted by length so a batch pads little); a
+    rollout ends after its first EOS."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    for i in progress(range(0, len(order), batch_size), desc="natural rollouts", unit="batch"):
+        group = order[i: i + batch_size]
+        width = max(len(prompts[j]) for j in group)
+        ids = torch.full((len(group), width), pad_id, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for r, j in enumerate(group):
+            ids[r, width - len(prompts[j]):] = torch.tensor(prompts[j])
+            mask[r, width - len(prompts[j]):] = 1
+        gen = target.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False, max_new_tokens=tokens,
+                              eos_token_id=eos_id, pad_token_id=pad_id)[:, width:].tolist()
+        for r, j in enumerate(group):
+            toks = gen[r]
+            out[j] = toks[: toks.index(eos_id) + 1] if eos_id in toks else toks
+    return out
+
+
+def natural_items(target, tokenizer, conversations: list[list[dict]], ncfg: dict, seed: int, device: str) -> list[dict]:
+    """The natural protocol's items: a real prefix, the target's rollout from it, one anchor."""
+    items = natural_anchors(conversations, tokenizer, ncfg["anchors"], ncfg["max_prefix_len"], seed)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rollouts = greedy_rollouts(target, [it["prompt"] for it in items], ncfg["rollout_tokens"], tokenizer.eos_token_id,
+                               pad, device, ncfg["batch_size"])
+    return [it | {"continuation": r, "anchors": [len(it["prompt"]) - 1]} for it, r in zip(items, rollouts)]
+
+
+def run_continuations_stage(cfg: dict, rt: Runtime, eval_jsonl: str, target_dir: str, out_path: str,
+                            natural_out: str | None = None) -> dict:
+    """The reference chains: the target's continuations of the eval prompts, and with
+    natural_out its rollouts at seeded anchors in real held-out assistant text."""
     from .target import load_target
     from .tokenizer import load_tokenizer
 
@@ -71,7 +137,36 @@ def run_continuations_stage(cfg: dict, rt: Runtime, eval_jsonl: str, target_dir:
     result = {"target": target_dir, "max_new_tokens": ecfg["max_new_tokens"], "eos_id": tokenizer.eos_token_id,
               "seconds": time.time() - start, "items": items}
     write_json(out_path, result)
-    return {"prompts": len(items), "tokens": sum(len(i["continuation"]) for i in items)}
+    summary = {"prompts": len(items), "tokens": sum(len(i["continuation"]) for i in items)}
+    if natural_out:
+        ncfg, start = natural_config(ecfg), time.time()
+        real = [c["messages"] for c in read_jsonl(eval_jsonl)]   # real assistant text: the eval split itself
+        nat = natural_items(target, tokenizer, real, ncfg, cfg["seed"], rt.device)
+        if not nat:
+            raise DataError(f"{eval_jsonl}: no assistant text to anchor the natural protocol (eval.natural)")
+        write_json(natural_out, {"target": target_dir, "protocol": "natural", **ncfg, "seed": cfg["seed"],
+                                 "eos_id": tokenizer.eos_token_id, "seconds": time.time() - start, "items": nat})
+        summary["natural_anchors"] = len(nat)
+    return summary
+
+
+NGRAM = 4
+
+
+def repetition_share(items: list[dict], n: int = NGRAM) -> dict:
+    """The share of reference tokens (each item's continuation) that complete an n-gram already
+    seen earlier in the same sequence, prompt included: how much of what alpha_k is scored
+    on is the target repeating itself."""
+    repeated = total = 0
+    for it in items:
+        seq, start = it["prompt"] + it["continuation"], len(it["prompt"])
+        seen = set()
+        for i in range(n - 1, len(seq)):
+            gram = tuple(seq[i - n + 1: i + 1])
+            repeated += i >= start and gram in seen
+            seen.add(gram)
+        total += len(it["continuation"])
+    return {"share": repeated / total if total else float("nan"), "repeated": repeated, "tokens": total, "ngram": n}
 
 
 def chain_rows(prompt_len: int, length: int, steps: int) -> range:
@@ -80,10 +175,19 @@ def chain_rows(prompt_len: int, length: int, steps: int) -> range:
     return range(prompt_len - 1, length - steps)
 
 
+def item_rows(item: dict, steps: int) -> list[int]:
+    """An item's chain anchors: its own `anchors` (natural protocol) where position t+K exists,
+    else every anchor of its continuation (`chain_rows`)."""
+    length = len(item["prompt"]) + len(item["continuation"])
+    if "anchors" in item:
+        return [t for t in item["anchors"] if t + steps < length]
+    return list(chain_rows(len(item["prompt"]), length, steps))
+
+
 @torch.no_grad()
 def chain_correct(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
                   batch_size: int, device: str, dtype: str = "float32") -> Iterator[tuple[Tensor, Tensor, Tensor]]:
-    """Per sequence: the chain anchors (`chain_rows`), and for each anchor and step whether the
+    """Per sequence: the chain anchors (`item_rows`), and for each anchor and step whether the
     drafter's token equals the target's greedy token, drafting on its own outputs (chain) and
     teacher-forced. Batched over anchors and sequences: no loop per position. The drafter runs
     in the runtime `dtype`'s precision (`drafter_autocast`), as in training; results on the CPU."""
@@ -100,43 +204,99 @@ def chain_correct(drafter: Drafter, target, items: list[dict], aux_layers: tuple
         feats = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask, "aux_hidden": ctx.aux_hidden}
         for l in kv_layers:
             feats[f"key_{l}"], feats[f"value_{l}"] = ctx.keys[l], ctx.values[l]
+        rows_of = [torch.tensor(item_rows(it, steps), dtype=torch.long) for it in group]
+        only = None   # items with their own anchors (natural protocol): draft from those rows alone
+        if all("anchors" in it for it in group):
+            width = ids.shape[1]
+            only = torch.cat([b * width + r for b, r in enumerate(rows_of)]).to(ids.device)
+            if only.numel() == 0:   # every rollout ended before K tokens
+                yield from ((r, torch.zeros(0, steps, dtype=torch.bool), torch.zeros(0, steps, dtype=torch.bool))
+                            for r in rows_of)
+                continue
         with drafter_autocast(device, dtype):
-            chain = unroll(drafter, feats, steps, own_tokens=True)
-            forced = unroll(drafter, feats, steps)
-        for b, it in enumerate(group):
-            rows = torch.tensor(list(chain_rows(len(it["prompt"]), len(seqs[b]), steps)), dtype=torch.long)
+            chain = unroll(drafter, feats, steps, own_tokens=True, anchor_rows=only)
+            forced = unroll(drafter, feats, steps, anchor_rows=only)
+
+        def pick(out, k: int, b: int, at: Tensor) -> Tensor:
+            """Step k's logits at anchors `at` of sequence b (packed: found among the drafted rows)."""
+            packed = out.rows[k] if out.rows else None
+            if packed is None:
+                return out.logits[k][b, at]
+            return out.logits[k][0, torch.searchsorted(packed, b * ids.shape[1] + at)]
+
+        for b, rows in enumerate(rows_of):
             at = rows.to(ids.device)
             want = torch.stack([greedy[b, at + k + 1] for k in range(steps)], dim=1)
-            drafted = torch.stack([drafter.d2t[chain.logits[k][b, at].argmax(-1)] for k in range(steps)], dim=1)
-            tf = torch.stack([drafter.d2t[forced.logits[k][b, at].argmax(-1)] for k in range(steps)], dim=1)
+            drafted = torch.stack([drafter.d2t[pick(chain, k, b, at).argmax(-1)] for k in range(steps)], dim=1)
+            tf = torch.stack([drafter.d2t[pick(forced, k, b, at).argmax(-1)] for k in range(steps)], dim=1)
             yield rows, (drafted == want).cpu(), (tf == want).cpu()
+
+
+DEFAULT_CONTEXT_BUCKETS = [128, 256, 512]   # prefix-token edges of alpha_k by context length (eval.context_buckets)
+
+
+def bucket_labels(edges: list[int]) -> list[str]:
+    bounds = [0, *edges]
+    return [f"<{edges[0]}"] + [f"{lo}-{hi}" for lo, hi in zip(bounds[1:], bounds[2:])] + [f">={edges[-1]}"]
+
+
+def by_context(contexts: Tensor, correct: Tensor, edges: list[int], level: float = 0.95) -> dict:
+    """alpha_k per bucket of the anchor's context length (prefix tokens t + 1): counts, rates
+    (null where no round reaches k) and pooled Jeffreys intervals. contexts [N], correct [N, K]."""
+    bucket = torch.bucketize(contexts, torch.tensor(edges), right=True)
+    out = {"edges": edges, "labels": bucket_labels(edges), "anchors": [], "rounds": [], "accepted": [], "alpha": [],
+           "alpha_jeffreys_ci": []}
+    for b in range(len(edges) + 1):
+        ok = correct[bucket == b]
+        r, a = chain_counts(ok) if len(ok) else (torch.zeros(correct.shape[1]), torch.zeros(correct.shape[1]))
+        rounds, acc = [int(x) for x in r.tolist()], [int(x) for x in a.tolist()]
+        out["anchors"].append(len(ok))
+        out["rounds"].append(rounds)
+        out["accepted"].append(acc)
+        out["alpha"].append([x / n if n else None for x, n in zip(acc, rounds)])
+        out["alpha_jeffreys_ci"].append([jeffreys_interval(x, n, level) if n else None for x, n in zip(acc, rounds)])
+    return out
 
 
 def stepwise(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
              batch_size: int, device: str, bootstrap_samples: int = 1000, seed: int = 0,
-             dtype: str = "float32", min_rounds: int = DEFAULT_MIN_ROUNDS) -> dict:
-    """Exact greedy chain drafting from every anchor of the target's continuations: alpha_k,
-    acc_k, MAT, retention, with intervals that resample whole sequences (`chain_summary`)."""
-    reached_seq, accepted_seq, tf_correct, tf_total = [], [], torch.zeros(steps), 0
-    for rows, chain_ok, forced_ok in chain_correct(drafter, target, items, aux_layers, steps, batch_size, device,
-                                                   dtype):
+             dtype: str = "float32", min_rounds: int = DEFAULT_MIN_ROUNDS,
+             context_buckets: list[int] | None = None) -> dict:
+    """Exact greedy chain drafting from every anchor of the items: alpha_k, acc_k, MAT,
+    retention, with intervals that resample whole sequences (`chain_summary`; items of one
+    `conversation` are one sequence), the repetition share of the reference tokens, and alpha_k
+    by the anchor's context length."""
+    per_group: dict = {}
+    contexts, chains, tf_correct, tf_total = [], [], torch.zeros(steps), 0
+    if all("anchors" in it for it in items):   # one anchor each: batches of similar length pad little
+        items = sorted(items, key=lambda it: len(it["prompt"]) + len(it["continuation"]))
+    results = chain_correct(drafter, target, items, aux_layers, steps, batch_size, device, dtype)
+    for i, (it, (rows, chain_ok, forced_ok)) in enumerate(zip(items, results)):
         if len(rows) == 0:
             continue
         r, a = chain_counts(chain_ok)
-        reached_seq.append(r)
-        accepted_seq.append(a)
+        key = it.get("conversation", f"item {i}")
+        prev = per_group.get(key)
+        per_group[key] = (r, a) if prev is None else (prev[0] + r, prev[1] + a)
+        contexts.append(rows + 1)
+        chains.append(chain_ok)
         tf_correct += forced_ok.sum(0).float()
         tf_total += len(rows)
-    if not reached_seq:
+    if not per_group:
         raise ValueError(f"no continuation is longer than {steps} tokens: nothing to evaluate")
-    reached, accepted = torch.stack(reached_seq), torch.stack(accepted_seq)
+    reached = torch.stack([r for r, _ in per_group.values()])
+    accepted = torch.stack([a for _, a in per_group.values()])
     result = {
         "acc": (tf_correct / max(tf_total, 1)).tolist(),
         "acc_note": "unconditional teacher-forced top-1 accuracy per step (acc_k), not alpha_k",
         "sequences": int(reached.shape[0]),
+        "anchors": tf_total,
         "steps": steps,
+        "repetition": repetition_share(items),
     }
     result.update(chain_summary(reached, accepted, bootstrap_samples, seed, min_rounds))
+    result["by_context"] = by_context(torch.cat(contexts), torch.cat(chains),
+                                      list(context_buckets or DEFAULT_CONTEXT_BUCKETS))
     return result
 
 
@@ -155,23 +315,43 @@ def read_continuations(path: str) -> dict:
     return cont
 
 
+MAX_REPETITION = 0.25   # claims are judged on a protocol whose reference repeats at most this much (eval.max_repetition)
+
+
 def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dir: str, target_dir: str, continuations: str,
-                       features_index: str, out_path: str) -> dict:
+                       features_index: str, out_path: str, natural: str | None = None,
+                       natural_out: str | None = None) -> dict:
+    """stepwise.json on the continuations; with natural/natural_out also the natural protocol."""
     from .drafters import load_drafter
     from .target import load_target
 
     from .drafters.attention import use_attention
 
+    if bool(natural) != bool(natural_out):
+        raise DataError("eval-stepwise: --natural and --natural-out go together")
+    steps, rollout = cfg["drafters"]["ttt_steps"], natural_config(cfg["eval"])["rollout_tokens"]
+    if natural and rollout < steps:
+        raise ConfigError(f"config: eval.natural.rollout_tokens: {rollout} < drafters.ttt_steps {steps} "
+                          f"(a chain of K steps needs K rollout tokens; K + 1 is the reference chain)")
     use_attention(cfg["drafters"].get("attention", "auto"))
-    items = read_continuations(continuations)["items"]   # before the models load: a damaged file fails fast
+    protocols = {"continuations": (read_continuations(continuations)["items"], out_path)}   # fail fast, before loading
+    if natural:
+        protocols["natural"] = (read_continuations(natural)["items"], natural_out)
     target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
     drafter = load_drafter(drafter_dir, rt.device)
     aux = tuple(read_json(features_index)["spec"]["aux_layers"])
-    start = time.time()
-    result = stepwise(drafter, target, items, aux, cfg["drafters"]["ttt_steps"], cfg["eval"]["batch_size"],
-                      rt.device, cfg["eval"]["bootstrap_samples"], cfg["seed"], rt.dtype,
-                      min_rounds=cfg["eval"]["min_rounds"])
-    result.update(variant=Path(drafter_dir).name, paradigm=drafter.cfg.paradigm, layers=drafter.cfg.num_layers,
-                  seconds=time.time() - start, device=rt.device, threads=rt.threads)
-    write_json(out_path, result)
-    return {k: result[k] for k in ("alpha", "mat", "retention")}
+    ecfg = cfg["eval"]
+    summary = {}
+    for name, (items, path) in protocols.items():
+        start = time.time()
+        batch = ecfg["batch_size"] if name == "continuations" else natural_config(ecfg)["batch_size"]
+        result = stepwise(drafter, target, items, aux, steps, batch, rt.device,
+                          ecfg["bootstrap_samples"], cfg["seed"], rt.dtype, min_rounds=ecfg["min_rounds"],
+                          context_buckets=ecfg.get("context_buckets"))
+        result.update(protocol=name, max_repetition=ecfg.get("max_repetition", MAX_REPETITION),
+                      variant=Path(drafter_dir).name, paradigm=drafter.cfg.paradigm, layers=drafter.cfg.num_layers,
+                      seconds=time.time() - start, device=rt.device, threads=rt.threads)
+        write_json(path, result)
+        numbers = {k: result[k] for k in ("alpha", "mat", "retention")} | {"repetition": result["repetition"]["share"]}
+        summary |= numbers if name == "continuations" else {name: numbers}
+    return summary

@@ -18,14 +18,15 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, Runtime, drafter_autocast
+from .diagnostics import attention_diagnostics
 from .drafters import Drafter, DrafterConfig, build_drafter
 from .drafters.attention import use_attention
 from .drafters.standalone import init_from_target
 from .features import FeatureSource, open_features
 from .integrity import content_digest, folder_digest
 from .io import read_json, write_json
-from .target import load_target, lr_at, rope_theta, target_queries
 from .progress import Progress
+from .target import load_target, lr_at, rope_theta, target_queries
 from .ttt import (Unrolled, label_positions, query_cosine, scored_tokens, step_losses, target_labels, unroll,
                   weighted_loss)
 
@@ -370,6 +371,8 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
                    "loss_k": [float(l.detach()) / world for l in losses],
                    "acc_k": [int(c) / max(int(a), 1) for c, a in zip(correct, acc_n)],
                    "grad_norm": norms, "kv_key_share": kv_key_share(un.valid, un.anchors) if model.kv_attentions() else None}
+            with rt.autocast():   # measured own-key attention mass and hybrid gate share (`diagnostics`)
+                rec.update(attention_diagnostics(model, batch, steps_k))
             if hasattr(model, "gate"):
                 g = model.gate().detach()
                 rec["gate"] = {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max())}

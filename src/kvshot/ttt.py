@@ -132,14 +132,16 @@ def reference_unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int) -> 
 
 
 def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries: bool = False,
-           own_tokens: bool = False, skip_unlabelled: bool = False) -> Unrolled:
+           own_tokens: bool = False, skip_unlabelled: bool = False, anchor_rows: Tensor | None = None) -> Unrolled:
     """K steps for every anchor at once. Inputs are the sequence's tokens (training, as EAGLE-3)
     or, with own_tokens, the drafter's own greedy drafts from step 1 on (chain simulation).
     skip_unlabelled: anchors with no label at any step are dropped (for a paradigm whose
     step-0 keys are every anchor's prefix, once step 0 has written them) and the rest packed
     into one row list (`StepState.pack`): the loss and its gradient are the same, the work
     is not; the head runs only on the rows step k scores. Logits are then [1, R_k, N] for
-    the rows `Unrolled.rows[k]`."""
+    the rows `Unrolled.rows[k]`. anchor_rows: flat indices b * T + t (ascending) of the only
+    anchors to draft from (packed the same way; a step-wise evaluation with one anchor per
+    sequence); every anchor still runs step 0 where its keys are later anchors' prefix."""
     ids = batch["input_ids"].long()
     b, t = ids.shape
     loss_mask = assistant_tokens(batch)
@@ -156,7 +158,7 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
             out.anchors.append(None)
         return out
     scoring_only = skip_unlabelled and not (own_tokens or keep_queries)
-    rows = labelled_rows(loss_mask, steps) if scoring_only else None
+    rows = anchor_rows if anchor_rows is not None else labelled_rows(loss_mask, steps) if scoring_only else None
     if scoring_only and drafter.steps_in_one_pass:
         return one_pass(drafter, state, ids, loss_mask, steps,
                         torch.arange(b * t, device=ids.device) if rows is None else rows)
@@ -169,6 +171,8 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
             packed = rows
         if own_tokens and k > 0:
             tokens = drafter.d2t[out.logits[-1].argmax(-1)]
+            if packed is not None and out.rows[-1] is None:   # packed at this step: the last drafts of its rows
+                tokens = tokens.flatten()[packed][None]
         else:
             tokens = at_rows(ids, packed, k + 1)
         h = drafter.step(state, tokens, state.anchors + k + 1, k)

@@ -4,7 +4,8 @@ rule target_continuations:
         target="results/target/model",
         prompts=local_data_files(config["eval"].get("prompt_sources") or []),   # common.smk
     output:
-        "results/eval/continuations.json",
+        continuations="results/eval/continuations.json",
+        natural="results/eval/natural.json",   # the natural-text protocol's reference rollouts
     params:
         cfg=stage_params("target", "eval"),
     log:
@@ -19,7 +20,7 @@ rule target_continuations:
         runtime=60,
     shell:
         "python -m kvshot target-continuations --config {params.cfg:q} --threads {threads} --eval {input.eval}"
-        " --target {input.target} --out {output} > {log} 2>&1"
+        " --target {input.target} --out {output.continuations} --natural-out {output.natural} > {log} 2>&1"
 
 
 rule eval_stepwise:
@@ -27,9 +28,11 @@ rule eval_stepwise:
         drafter="results/drafters/{variant}",
         target="results/target/model",
         continuations="results/eval/continuations.json",
+        natural="results/eval/natural.json",
         features="results/features/eval",
     output:
-        "results/eval/{variant}/stepwise.json",
+        stepwise="results/eval/{variant}/stepwise.json",
+        natural="results/eval/{variant}/stepwise_natural.json",
     wildcard_constraints:
         variant="|".join(VARIANTS),
     params:
@@ -47,7 +50,8 @@ rule eval_stepwise:
     shell:
         "python -m kvshot eval-stepwise --config {params.cfg:q} --threads {threads} --drafter {input.drafter}"
         " --target {input.target} --continuations {input.continuations}"
-        " --features-index {input.features}/index.json --out {output} > {log} 2>&1"
+        " --features-index {input.features}/index.json --out {output.stepwise}"
+        " --natural {input.natural} --natural-out {output.natural} > {log} 2>&1"
 
 
 rule eval_e2e:

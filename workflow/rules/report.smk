@@ -1,9 +1,10 @@
-FIGURES = ["decay", "depth", "gate", "gradients", "query_error", "e2e"]
+FIGURES = ["decay", "depth", "gate", "gradients", "query_error", "e2e", "context"]
 
 
 rule report:
     input:
         stepwise=expand("results/eval/{variant}/stepwise.json", variant=VARIANTS),
+        natural=expand("results/eval/{variant}/stepwise_natural.json", variant=VARIANTS),
         e2e=expand("results/eval/{variant}/e2e.json", variant=VARIANTS),
         drafters=expand("results/drafters/{variant}", variant=VARIANTS),
     output:

@@ -24,6 +24,7 @@ class HybridDrafter(HiddenDrafter):
         init = min(max(cfg.gate_init, 1e-6), 1 - 1e-6)
         # g = sigmoid(gate_logit): once g -> 0 the branch's gradient vanishes with it
         self.gate_logit = nn.Parameter(torch.full((cfg.num_layers, *shape), math.log(init / (1 - init))))
+        self.gate_probe = None   # diagnostics: called as (layer, h, g * delta) when set (`diagnostics`)
 
     def gate(self) -> Tensor:
         return torch.sigmoid(self.gate_logit)
@@ -45,7 +46,10 @@ class HybridDrafter(HiddenDrafter):
         for i in range(n):
             h, rot = self.hidden_layer(state, i, emb, h, rot, k)
             delta = kv_attention(state, n + i, self.kv_attns[i], self.kv_norms[i](h), rot)
-            h = h + gates[i] * delta
+            correction = gates[i] * delta
+            if self.gate_probe is not None:
+                self.gate_probe(i, h, correction)
+            h = h + correction
         state.hidden = h
         return h
 

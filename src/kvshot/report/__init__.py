@@ -40,7 +40,13 @@ def run_scaling_report(results: str, sizes: list[int], variants: list[str], figu
 
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
 STEPWISE_NOTE = ("A rate that rests on fewer rounds than `eval.min_rounds` reads *insufficient data*, and a claim "
-                 "that rests on it reads *inconclusive*. Intervals: prompt bootstrap x Jeffreys posterior per step.")
+                 "that rests on it reads *inconclusive*. Intervals: prompt bootstrap x Jeffreys posterior per step. "
+                 "Protocols: `continuations`, every anchor of the target's greedy continuations of the eval prompts "
+                 "(the paper's); `natural`, seeded anchors in real held-out assistant text, each scored against the "
+                 "target's greedy rollout from that real prefix. `repetition`: the share of a protocol's reference "
+                 "tokens that complete a 4-gram already seen in the same sequence; the claims are judged on a protocol "
+                 "whose repetition is at most `eval.max_repetition`. alpha_k by context length: "
+                 "`results/tables/context.md`, `figures/context.pdf`.")
 MAT_TAU_NOTE = ("Step-wise MAT and E2E tau differ by design (column `tau - MAT`): MAT drafts from every anchor of every "
                 "continuation, while decoding drafts only where the previous round stopped, so its anchors follow the "
                 "accepted runs; decoding covers only the first `eval.e2e.prompts` prompts and `eval.e2e.max_new_tokens` "

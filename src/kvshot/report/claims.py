@@ -7,6 +7,8 @@ resting on too little: a number below the minimum rounds (stepwise.json `min_rou
 comparison inconclusive, and with per-seed results the direction must hold in every seed. The
 diagnostics without intervals (E2E timings, gate, gradients) state their thresholds with each
 test, and every seed must give the same verdict. The paper's numbers come from results.PAPER.
+Step-wise claims are judged on the evaluation protocol whose reference tokens repeat themselves
+at most eval.max_repetition (`results.judged_protocol`), recorded in each claim as `protocol`.
 """
 from __future__ import annotations
 
@@ -15,11 +17,13 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable
 
-from .results import PAPER, Variant, roles, seed_runs
+from .results import PAPER, Variant, judged_protocol, roles, seed_runs, with_protocol
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, MISSING = "reproduced", "not reproduced", "inconclusive", "not measured"
 
-GATE_COLLAPSE_RATIO = 0.5      # final mean gate below half its initial value
+GATE_COLLAPSE_RATIO = 0.5      # final gate share |g delta|/|h| below half its initial value
+GATE_SHARE_NEGLIGIBLE = 0.01   # a KV branch that adds under 1% of |h| is effectively unused (noted)
+GATE_SHARE = "gate_share"      # train_log field: per hybrid layer, |g * delta| / |h| over scored rows
 KV_KEY_SHARE_SPARSE = 0.2      # under 20% of the attention mass on keys from the drafter's own W_K/W_V
 KV_GRAD_RATIO_SPARSE = 0.5     # |grad W_K,W_V| below half of |grad W_Q,W_O| (median over training)
 E2E_MARGINAL = 0.05            # |tau gain| within 5%
@@ -122,8 +126,12 @@ def claim(name: str, paper: str, test: str, numbers: dict, verdict: str, note: s
 
 
 def evaluate_claims(variants: list[Variant], per_seed: list[list[Variant]] | None = None) -> list[dict]:
-    """Every claim's verdict. per_seed: one list of variants per training seed (default: the
-    variants' own per-seed records, `results.seed_runs`); empty for a single run."""
+    """Every claim's verdict. Step-wise claims are judged on one evaluation protocol
+    (`results.judged_protocol`: a reference that repeats itself at most eval.max_repetition),
+    named in each of them. per_seed: one list of variants per training seed (default: the
+    variants' own per-seed records under that protocol, `results.seed_runs`); empty for a single run."""
+    judged = judged_protocol(variants)
+    variants = with_protocol(variants, judged["protocol"])
     per_seed = seed_runs(variants) if per_seed is None else per_seed
     judge, n_seeds = Judge(per_seed), len(per_seed)
     r = roles(variants)
@@ -133,7 +141,12 @@ def evaluate_claims(variants: list[Variant], per_seed: list[list[Variant]] | Non
     P = PAPER
 
     def add(name, paper, test, numbers, verdict):
-        out.append(claim(name, paper, test, numbers, verdict, judge.take_notes(), n_seeds))
+        c = claim(name, paper, test, numbers, verdict, judge.take_notes(), n_seeds)
+        c["protocol"] = judged["protocol"]
+        c["reference_repetition"] = judged["repetition"]
+        if judged["note"]:
+            c["note"] = "; ".join(filter(None, [c.get("note"), judged["note"]]))
+        out.append(c)
 
     if ref and kv:
         deep = kv[max(kv)]
@@ -214,14 +227,26 @@ def _e2e_claim(ref: Variant | None, hyb: Variant | None) -> dict:
 
 def _gate_claim(hyb: Variant | None) -> dict:
     name, paper = "gate collapse", "the hybrid gate falls toward 0 early and stays closed"
-    test = f"final mean gate < {GATE_COLLAPSE_RATIO} x its initial value (closed) ; above the initial value: not reproduced"
-    gates = [r["gate"]["mean"] for r in (hyb.log if hyb else []) if "gate" in r]
-    if len(gates) < 2:
-        return claim(name, paper, test, {}, MISSING)
-    first, final = gates[0], gates[-1]
+    test = (f"KV branch share |g delta| / |h| (mean over layers, measured in training): final < "
+            f"{GATE_COLLAPSE_RATIO} x initial (closed); at or above the initial share: not reproduced")
+    log = hyb.log if hyb else []
+    gates = [r["gate"]["mean"] for r in log if "gate" in r]
+    shares = [(r["step"], r[GATE_SHARE]) for r in log if any(x is not None for x in r.get(GATE_SHARE) or [])]
+    g_numbers = {"initial g": f"{gates[0]:.3f}", "final g": f"{gates[-1]:.3f}"} if gates else {}
+    if len(shares) < 2:
+        if len(gates) < 2:
+            return claim(name, paper, test, {}, MISSING)
+        return claim(name, paper, test, g_numbers, INCONCLUSIVE,
+                     f"only g is logged: g can stay open while g delta is negligible against h; the measured share "
+                     f"(train_log `{GATE_SHARE}`) is needed")
+    mean = lambda xs: statistics.mean(x for x in xs if x is not None)   # noqa: E731
+    first, final = mean(shares[0][1]), mean(shares[-1][1])
     verdict = REPRODUCED if final < GATE_COLLAPSE_RATIO * first else NOT_REPRODUCED if final >= first else INCONCLUSIVE
-    return claim(name, paper, test, {"initial gate": f"{first:.3f}", "final gate": f"{final:.3f}",
-                                     "min over training": f"{min(gates):.3f}"}, verdict)
+    numbers = {"initial share": f"{first:.4f}", "final share": f"{final:.4f}",
+               "final share per layer": ", ".join(f"{x:.4f}" for x in shares[-1][1] if x is not None)} | g_numbers
+    note = (f"the KV branch adds under {GATE_SHARE_NEGLIGIBLE:.0%} of |h| at the end: effectively unused"
+            if final < GATE_SHARE_NEGLIGIBLE else "")
+    return claim(name, paper, test, numbers, verdict, note)
 
 
 def _gradient_claim(deep: Variant | None) -> dict:
@@ -244,15 +269,23 @@ def _gradient_claim(deep: Variant | None) -> dict:
     share = statistics.mean(measured)
     ok = share < KV_KEY_SHARE_SPARSE and ratio < KV_GRAD_RATIO_SPARSE
     half = share < KV_KEY_SHARE_SPARSE or ratio < KV_GRAD_RATIO_SPARSE
-    return claim(name, paper, test, {"own-key attention mass": f"{share:.3f}", "grad ratio": f"{ratio:.3f}"},
-                 REPRODUCED if ok else INCONCLUSIVE if half else NOT_REPRODUCED)
+    numbers = {"own-key attention mass": f"{share:.3f}", "grad ratio": f"{ratio:.3f}"}
+    by_step = [r[f"{OWN_KEY_MASS}_k"] for r in log if r.get(f"{OWN_KEY_MASS}_k")]
+    if by_step:   # the last logged step's mass per draft step: own keys grow from 1 to K
+        numbers["final mass by step"] = ", ".join("n/a" if x is None else f"{x:.3f}" for x in by_step[-1])
+    return claim(name, paper, test, numbers, REPRODUCED if ok else INCONCLUSIVE if half else NOT_REPRODUCED)
 
 
 def claims_markdown(claims: list[dict]) -> str:
     lines = ["# Claims verdict", "", "Computed by `kvshot report` from the result files; paper numbers are "
              "Qwen3-8B's (shared/PAPER.md), this run's are the embedded or configured scale. A number that rests "
-             "on fewer rounds than the minimum reads \"insufficient data\" and its comparison is inconclusive.", "",
-             "| claim | paper | test | this run | verdict |", "|---|---|---|---|---|"]
+             "on fewer rounds than the minimum reads \"insufficient data\" and its comparison is inconclusive.", ""]
+    judged = next((c for c in claims if c.get("protocol")), None)
+    if judged:
+        rep = judged.get("reference_repetition")
+        lines += [f"Step-wise claims are judged on the `{judged['protocol']}` protocol (reference tokens that repeat an "
+                  f"earlier 4-gram: {'not measured' if rep is None else f'{rep:.1%}'}).", ""]
+    lines += ["| claim | paper | test | this run | verdict |", "|---|---|---|---|---|"]
     cell = lambda text: str(text).replace("|", "\\|")   # noqa: E731  (|x| in a test is not a column)
     for c in claims:
         nums = "; ".join(f"{k}: {v}" for k, v in c["numbers"].items()) or "n/a"

@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from ..io import atomic_file  # noqa: E402
-from .results import PAPER, Variant, roles  # noqa: E402
+from .results import PAPER, Variant, judged_protocol, protocol_names, roles, with_protocol  # noqa: E402
 
 PAPER_STYLE = {"marker": "X", "s": 90, "color": "black", "zorder": 5}
 
@@ -36,82 +36,114 @@ def _err(values, cis):
     return [lo, hi]
 
 
+def _title(protocol: str, under: list[Variant]) -> str:
+    rep = (under[0].stepwise.get("repetition") or {}).get("share") if under else None
+    return f"{protocol} protocol" + ("" if rep is None else f" (reference 4-gram repetition {rep:.0%})")
+
+
 def decay(variants: list[Variant], path) -> None:
-    """alpha_k with its interval per step, and below it the rounds each alpha_k rests on. A point
-    below the minimum rounds is drawn hollow, without line or interval."""
+    """alpha_k with its interval per step, and below it the rounds each alpha_k rests on, one
+    column per evaluation protocol. A point below the minimum rounds is drawn hollow, without
+    line or interval."""
     _style()
-    fig, (ax, axn) = plt.subplots(2, 1, figsize=(6.4, 6.2), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
-    for v in variants:
-        sw = v.stepwise
-        a, ok = sw["alpha_observed"], sw["alpha_sufficient"]
-        good = [k for k in range(len(a)) if ok[k]]
-        few = [k for k in range(len(a)) if not ok[k] and a[k] == a[k]]
-        line = ax.errorbar(good, [a[k] for k in good], yerr=_err([a[k] for k in good], [sw["alpha_ci"][k] for k in good]),
-                           marker="o", capsize=3, label=v.label)
-        color = line.lines[0].get_color()
-        ax.scatter(few, [a[k] for k in few], facecolors="none", edgecolors=color, zorder=4)
-        axn.plot(range(len(a)), sw["rounds"], marker="o", color=color)
-    last = len(variants[0].stepwise["alpha"]) - 1
-    for who, value in PAPER["alpha_6"].items():
-        ax.scatter([6], [value], **PAPER_STYLE)
-        ax.annotate(f"paper {who}\n{value}", (6, value), textcoords="offset points", fontsize=7,
-                    xytext=(8, 4 if who == "kv-d4" else -16))
+    protocols = protocol_names(variants)
+    fig, axes = plt.subplots(2, len(protocols), figsize=(6.4 * len(protocols), 6.2), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 1.4]})
     min_rounds = variants[0].stepwise["min_rounds"]
-    ax.set_ylabel(r"$\alpha_k$ (conditional acceptance)")
-    ax.set_title("Long-range decay of acceptance\n(X: the paper's Qwen3-8B values at k = 6; "
-                 f"hollow: fewer than {min_rounds} rounds)", fontsize=10)
-    ax.set_xlim(-0.3, last + 1.2)
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=8, loc="lower left")
-    axn.axhline(min_rounds, color="black", linestyle="--", linewidth=1, label=f"minimum ({min_rounds})")
-    axn.set_yscale("symlog", linthresh=1)          # log-like, and 0 rounds stays drawable
-    axn.set_ylim(bottom=0)
-    axn.set_ylabel("rounds reaching k")
-    axn.set_xlabel("draft step k")
-    axn.set_xticks(range(last + 1))
-    axn.legend(fontsize=8, loc="upper right")
+    last = len(variants[0].stepwise["alpha"]) - 1
+    for col, protocol in enumerate(protocols):
+        ax, axn = axes[0][col], axes[1][col]
+        under = with_protocol(variants, protocol)
+        for v in under:
+            sw = v.stepwise
+            a, ok = sw["alpha_observed"], sw["alpha_sufficient"]
+            good = [k for k in range(len(a)) if ok[k]]
+            few = [k for k in range(len(a)) if not ok[k] and a[k] == a[k]]
+            line = ax.errorbar(good, [a[k] for k in good],
+                               yerr=_err([a[k] for k in good], [sw["alpha_ci"][k] for k in good]),
+                               marker="o", capsize=3, label=v.label)
+            color = line.lines[0].get_color()
+            ax.scatter(few, [a[k] for k in few], facecolors="none", edgecolors=color, zorder=4)
+            axn.plot(range(len(a)), sw["rounds"], marker="o", color=color)
+        for who, value in PAPER["alpha_6"].items():
+            ax.scatter([6], [value], **PAPER_STYLE)
+            ax.annotate(f"paper {who}\n{value}", (6, value), textcoords="offset points", fontsize=7,
+                        xytext=(8, 4 if who == "kv-d4" else -16))
+        ax.set_ylabel(r"$\alpha_k$ (conditional acceptance)")
+        ax.set_title(f"{_title(protocol, under)}\n(X: the paper's Qwen3-8B values at k = 6; "
+                     f"hollow: fewer than {min_rounds} rounds)", fontsize=10)
+        ax.set_xlim(-0.3, last + 1.2)
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=8, loc="lower left")
+        axn.axhline(min_rounds, color="black", linestyle="--", linewidth=1, label=f"minimum ({min_rounds})")
+        axn.set_yscale("symlog", linthresh=1)          # log-like, and 0 rounds stays drawable
+        axn.set_ylim(bottom=0)
+        axn.set_ylabel("rounds reaching k")
+        axn.set_xlabel("draft step k")
+        axn.set_xticks(range(last + 1))
+        axn.legend(fontsize=8, loc="upper right")
+    fig.suptitle("Long-range decay of acceptance")
     _save(fig, path)
 
 
 def depth(variants: list[Variant], path) -> None:
+    """MAT against KV-only depth, one line per protocol; EAGLE-3 and the hybrid as reference
+    lines under the protocol the claims are judged on."""
     _style()
-    r = roles(variants)
     fig, ax = plt.subplots(figsize=(5.6, 4.0))
-    ds = sorted(r["kv"])
-    mats = [r["kv"][d].stepwise["mat"] for d in ds]
-    ax.errorbar(ds, mats, yerr=_err(mats, [r["kv"][d].stepwise["mat_ci"] for d in ds]), marker="o", capsize=3,
-                label="KV-only (this run)")
-    few = [d for d in ds if not r["kv"][d].stepwise["mat_sufficient"]]
-    if few:
-        ax.scatter(few, [r["kv"][d].stepwise["mat"] for d in few], s=120, facecolors="white", edgecolors="red",
-                   zorder=4, label="fewer rounds than the minimum")
-    for key, style in (("eagle3", "--"), ("hybrid", ":")):
-        v = r[key]
-        if v:
-            ax.axhline(v.stepwise["mat"], linestyle=style, color="gray", label=f"{v.label}: {v.stepwise['mat']:.2f}")
+    judged = judged_protocol(variants)["protocol"]
+    for protocol in protocol_names(variants):
+        r = roles(with_protocol(variants, protocol))
+        ds = sorted(r["kv"])
+        mats = [r["kv"][d].stepwise["mat"] for d in ds]
+        ax.errorbar(ds, mats, yerr=_err(mats, [r["kv"][d].stepwise["mat_ci"] for d in ds]), marker="o", capsize=3,
+                    label=f"KV-only, {protocol}")
+        few = [d for d in ds if not r["kv"][d].stepwise["mat_sufficient"]]
+        if few:
+            ax.scatter(few, [r["kv"][d].stepwise["mat"] for d in few], s=120, facecolors="white", edgecolors="red",
+                       zorder=4, label="fewer rounds than the minimum")
+        if protocol == judged:
+            for key, style in (("eagle3", "--"), ("hybrid", ":")):
+                v = r[key]
+                if v:
+                    ax.axhline(v.stepwise["mat"], linestyle=style, color="gray",
+                               label=f"{v.label}, {protocol}: {v.stepwise['mat']:.2f}")
+            ax.set_xticks(ds)
     ax.scatter([1, 2], [PAPER["mat"]["kv-d1"], PAPER["mat"]["kv-d2"]], label="paper KV-only (Qwen3-8B)", **PAPER_STYLE)
-    ax.set_xticks(ds)
     ax.set_xlabel("KV-only drafter depth (layers)")
     ax.set_ylabel("MAT (step-wise, chain)")
     ax.set_title("Query-estimation bottleneck: MAT vs depth")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     _save(fig, path)
 
 
 def gate(variants: list[Variant], path) -> None:
+    """The hybrid gate over training: g (mean, band min-max) and the share the gated KV
+    correction adds to the hidden state, |g delta| / |h|, per layer (log scale)."""
     _style()
-    fig, ax = plt.subplots(figsize=(5.6, 3.8))
+    fig, (ax, axs) = plt.subplots(1, 2, figsize=(10.5, 3.8))
     for v in variants:
         recs = [x for x in v.log if "gate" in x]
         if recs:
             steps = [x["step"] for x in recs]
             ax.plot(steps, [x["gate"]["mean"] for x in recs], label=f"{v.name}: mean g")
             ax.fill_between(steps, [x["gate"]["min"] for x in recs], [x["gate"]["max"] for x in recs], alpha=0.2)
+        shares = [x for x in v.log if x.get("gate_share")]
+        for layer in range(len(shares[0]["gate_share"]) if shares else 0):
+            ys = [float("nan") if x["gate_share"][layer] is None else x["gate_share"][layer] for x in shares]
+            axs.plot([x["step"] for x in shares], ys, marker=".", label=f"{v.name}: layer {layer}")
     ax.set_xlabel("training step")
     ax.set_ylabel("gate g = sigmoid(gate logit)")
     ax.set_ylim(0, 1)
-    ax.set_title("Hybrid gate over training (band: min-max)")
-    ax.legend(fontsize=8)
+    ax.set_title("Hybrid gate g (band: min-max)")
+    axs.set_xlabel("training step")
+    axs.set_ylabel(r"$|g\,\delta| / |h|$")
+    axs.set_yscale("log")
+    axs.set_title("KV branch's share of the hidden state")
+    for a in (ax, axs):
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
+    fig.tight_layout()
     _save(fig, path)
 
 
@@ -169,6 +201,51 @@ def e2e(variants: list[Variant], path) -> None:
     _save(fig, path)
 
 
+def context(variants: list[Variant], path) -> None:
+    """alpha_k by the anchor's context length (prefix-token buckets), one line per variant
+    (paradigm in the label), at the first and the last draft step; one row per protocol.
+    Points below the minimum rounds are hollow, intervals pooled Jeffreys."""
+    _style()
+    protocols = protocol_names(variants)
+    steps = variants[0].stepwise["steps"]
+    ks = sorted({0, steps - 1})
+    fig, axes = plt.subplots(len(protocols), len(ks), figsize=(5.2 * len(ks), 3.6 * len(protocols)), squeeze=False,
+                             sharey=True)
+    min_rounds = variants[0].stepwise["min_rounds"]
+    for row, protocol in enumerate(protocols):
+        under = with_protocol(variants, protocol)
+        for col, k in enumerate(ks):
+            ax = axes[row][col]
+            labels = []
+            for v in under:
+                ctx = v.stepwise.get("by_context")
+                if not ctx:
+                    continue
+                labels = ctx["labels"]
+                xs = list(range(len(labels)))
+                a = [float("nan") if x[k] is None else x[k] for x in ctx["alpha"]]
+                n = [x[k] for x in ctx["rounds"]]
+                cis = [c[k] or (float("nan"), float("nan")) for c in ctx["alpha_jeffreys_ci"]]
+                good = [i for i in xs if n[i] >= min_rounds and a[i] == a[i]]
+                few = [i for i in xs if n[i] < min_rounds and a[i] == a[i]]
+                line = ax.errorbar(good, [a[i] for i in good], yerr=_err([a[i] for i in good], [cis[i] for i in good]),
+                                   marker="o", capsize=3, label=v.label)
+                ax.scatter(few, [a[i] for i in few], facecolors="none", edgecolors=line.lines[0].get_color(), zorder=4)
+            ax.set_xticks(range(len(labels)))
+            ax.set_xticklabels(labels)
+            ax.set_ylim(0, 1)
+            ax.set_title(f"{_title(protocol, under)}: $\\alpha_{k}$", fontsize=9)
+            ax.set_xlabel("context length at the anchor (prefix tokens)")
+            if col == 0:
+                ax.set_ylabel(r"$\alpha_k$")
+    handles, names = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, names, fontsize=8, loc="lower center", ncol=3, bbox_to_anchor=(0.5, -0.08))
+    fig.suptitle(f"Acceptance by context length (hollow: fewer than {min_rounds} rounds)")
+    fig.tight_layout()
+    _save(fig, path)
+
+
 def scaling(rows: list[dict], path) -> None:
     """MAT against the number of drafter training samples, one line per variant."""
     _style()
@@ -185,4 +262,5 @@ def scaling(rows: list[dict], path) -> None:
     _save(fig, path)
 
 
-FIGURES = {"decay": decay, "depth": depth, "gate": gate, "gradients": gradients, "query_error": query_error, "e2e": e2e}
+FIGURES = {"decay": decay, "depth": depth, "gate": gate, "gradients": gradients, "query_error": query_error, "e2e": e2e,
+           "context": context}

@@ -1,6 +1,8 @@
 """Read the result files every table, figure and verdict is computed from."""
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +28,7 @@ class Variant:
     train: dict                       # the drafter's metrics.json
     log: list = field(default_factory=list)   # train_log.json records
     e2e: dict | None = None
+    protocols: dict = field(default_factory=dict)   # protocol name -> its stepwise view (`stepwise` is one of them)
 
     @property
     def label(self) -> str:
@@ -80,13 +83,67 @@ def load_variants(results: str | Path, names: list[str], with_e2e: bool = True,
     for name in names:
         path = results / "eval" / name / "stepwise.json"
         sw = stepwise_view(read_json(path), str(path))
+        protocols = {sw.get("protocol") or "continuations": sw}
+        for protocol, file in PROTOCOL_FILES.items():
+            if protocol not in protocols and (results / "eval" / name / file).exists():
+                other = results / "eval" / name / file
+                protocols[protocol] = stepwise_view(read_json(other), str(other))
         folder = results / "drafters" / name
         e2e_path = results / "eval" / name / "e2e.json"
         out.append(Variant(name=name, paradigm=sw["paradigm"], layers=sw["layers"], stepwise=sw,
                            train=read_json(folder / "metrics.json") if with_train else {},
                            log=read_json(folder / "train_log.json") if with_train else [],
-                           e2e=read_json(e2e_path) if with_e2e and e2e_path.exists() else None))
+                           e2e=read_json(e2e_path) if with_e2e and e2e_path.exists() else None,
+                           protocols=protocols))
     return out
+
+
+# ---------------------------------------------------------------- evaluation protocols
+
+PROTOCOL_FILES = {"continuations": "stepwise.json", "natural": "stepwise_natural.json"}
+PREFERENCE = ("continuations", "natural")   # the paper's protocol first, when its reference is not degenerate
+DEFAULT_MAX_REPETITION = 0.25
+
+
+def protocol_names(variants: list[Variant]) -> list[str]:
+    """The protocols every variant was evaluated under, in PREFERENCE order."""
+    common = set.intersection(*(set(v.protocols or {"continuations": v.stepwise}) for v in variants)) if variants else set()
+    return [p for p in PREFERENCE if p in common] + sorted(common - set(PREFERENCE))
+
+
+def repetition_of(variants: list[Variant], protocol: str) -> float:
+    """The share of the protocol's reference tokens that repeat an earlier 4-gram (the same
+    reference for every variant; the largest if they differ); NaN when not measured."""
+    shares = [((v.protocols.get(protocol) or {}).get("repetition") or {}).get("share") for v in variants]
+    shares = [float("nan") if x is None else x for x in shares]
+    return max(shares) if shares and not any(math.isnan(x) for x in shares) else float("nan")
+
+
+def judged_protocol(variants: list[Variant]) -> dict:
+    """The protocol the claims are judged on: the first (PREFERENCE) whose reference repetition
+    is at most `max_repetition` (stepwise.json, eval.max_repetition); none qualifying, the least
+    repetitive, with a note. Returns {protocol, repetition, max_repetition, candidates, note}."""
+    names = protocol_names(variants)
+    limit = next((v.protocols[n].get("max_repetition") for v in variants for n in names
+                  if v.protocols.get(n, {}).get("max_repetition") is not None), DEFAULT_MAX_REPETITION)
+    reps = {n: repetition_of(variants, n) for n in names}
+    ok = [n for n in names if reps[n] <= limit]
+    out = {"max_repetition": limit, "candidates": {n: (None if math.isnan(r) else r) for n, r in reps.items()}}
+    if ok:
+        return out | {"protocol": ok[0], "repetition": reps[ok[0]], "note": ""}
+    measured = [n for n in names if not math.isnan(reps[n])]
+    if measured:
+        best = min(measured, key=reps.get)
+        return out | {"protocol": best, "repetition": reps[best],
+                      "note": f"no protocol's reference repeats at most {limit:.0%} (4-grams): judged on the least "
+                              f"repetitive, {best} ({reps[best]:.1%})"}
+    first = names[0] if names else "continuations"
+    return out | {"protocol": first, "repetition": None, "note": "reference repetition not measured"}
+
+
+def with_protocol(variants: list[Variant], protocol: str) -> list[Variant]:
+    """The variants with `stepwise` taken from one protocol."""
+    return [dataclasses.replace(v, stepwise=v.protocols.get(protocol, v.stepwise)) for v in variants]
 
 
 PAPER_PARADIGMS = ("hidden", "kv", "hybrid")   # a standalone draft LM is a baseline row, in no claim

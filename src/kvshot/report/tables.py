@@ -6,7 +6,7 @@ import io
 from pathlib import Path
 
 from ..io import atomic_dir, write_text
-from .results import PAPER, Variant, roles
+from .results import PAPER, Variant, judged_protocol, protocol_names, roles, with_protocol
 
 
 INSUFFICIENT = "insufficient data"
@@ -25,8 +25,24 @@ def _rate(value: float, enough: bool):
     return value if enough else INSUFFICIENT
 
 
+def by_protocol(variants: list[Variant]):
+    """(protocol, its reference repetition share, the variants under it), every protocol."""
+    for protocol in protocol_names(variants):
+        under = with_protocol(variants, protocol)
+        rep = (under[0].stepwise.get("repetition") or {}).get("share") if under else None
+        yield protocol, rep, under
+
+
 def stepwise_rows(variants: list[Variant]) -> list[dict]:
-    """One row per variant: alpha_k with the rounds n_k it rests on, for every step."""
+    """One row per protocol and variant: alpha_k with the rounds n_k it rests on, for every
+    step, and the share of the protocol's reference tokens that repeat an earlier 4-gram."""
+    rows = []
+    for protocol, rep, under in by_protocol(variants):
+        rows += [{"protocol": protocol, "repetition": rep} | row for row in _stepwise_rows(under)]
+    return rows
+
+
+def _stepwise_rows(variants: list[Variant]) -> list[dict]:
     rows = []
     for v in variants:
         sw = v.stepwise
@@ -41,13 +57,13 @@ def stepwise_rows(variants: list[Variant]) -> list[dict]:
 
 
 def step_rows(variants: list[Variant]) -> list[dict]:
-    """One row per variant and step: counts, alpha_k and the cumulative acceptance with their
-    intervals, and the bootstrap resamples in which the step was undefined."""
+    """One row per protocol, variant and step: counts, alpha_k and the cumulative acceptance
+    with their intervals, and the bootstrap resamples in which the step was undefined."""
     rows = []
-    for v in variants:
+    for protocol, _, v in ((p, r, v) for p, r, under in by_protocol(variants) for v in under):
         sw = v.stepwise
         for k, n in enumerate(sw["rounds"]):
-            rows.append({"variant": v.name, "k": k, "rounds": n, "accepted": sw["accepted"][k],
+            rows.append({"protocol": protocol, "variant": v.name, "k": k, "rounds": n, "accepted": sw["accepted"][k],
                          "alpha_k": _rate(sw["alpha_observed"][k], sw["alpha_sufficient"][k]),
                          "alpha_k 95% CI": _ci(sw["alpha_ci"][k]), "Jeffreys CI (pooled)": _ci(sw["alpha_jeffreys_ci"][k]),
                          "undefined resamples": sw["alpha_undefined_resamples"][k],
@@ -56,11 +72,29 @@ def step_rows(variants: list[Variant]) -> list[dict]:
     return rows
 
 
+def context_rows(variants: list[Variant]) -> list[dict]:
+    """alpha_k by the anchor's context length (prefix-token buckets), per protocol and variant."""
+    rows = []
+    for protocol, _, under in by_protocol(variants):
+        for v in under:
+            ctx, min_rounds = v.stepwise.get("by_context"), v.stepwise["min_rounds"]
+            for b, label in enumerate((ctx or {}).get("labels", [])):
+                row = {"protocol": protocol, "variant": v.name, "paradigm": v.paradigm, "context": label,
+                       "anchors": ctx["anchors"][b]}
+                for k, (a, n) in enumerate(zip(ctx["alpha"][b], ctx["rounds"][b])):
+                    row |= {f"alpha_{k}": _rate(a, a is not None and n >= min_rounds), f"n_{k}": n}
+                rows.append(row)
+    return rows
+
+
 def depth_rows(variants: list[Variant]) -> list[dict]:
+    """MAT and the last step's alpha by KV-only depth, on the protocol the claims are judged on."""
+    protocol = judged_protocol(variants)["protocol"]
+    variants = with_protocol(variants, protocol)
     r = roles(variants)
     def row(v: Variant, paradigm: str) -> dict:
         sw, last = v.stepwise, v.stepwise["steps"] - 1
-        return {"drafter": v.name, "paradigm": paradigm, "layers": v.layers,
+        return {"drafter": v.name, "paradigm": paradigm, "layers": v.layers, "protocol": protocol,
                 "MAT": _rate(sw["mat"], sw["mat_sufficient"]), "n_0": sw["rounds"][0],
                 f"alpha_{last}": _rate(sw["alpha_observed"][-1], sw["alpha_sufficient"][-1]), f"n_{last}": sw["rounds"][-1]}
 
@@ -88,7 +122,9 @@ def e2e_rows(variants: list[Variant]) -> list[dict]:
 
 
 def paper_rows(variants: list[Variant]) -> list[dict]:
-    """This run beside every number the paper reports."""
+    """This run beside every number the paper reports (step-wise: the judged protocol's)."""
+    protocol = judged_protocol(variants)["protocol"]
+    stepwise_of = {v.name: v.stepwise for v in with_protocol(variants, protocol)}
     by_name = {v.name: v for v in variants}
     r = roles(variants)
     role_of = {"eagle3": r["eagle3"], "hybrid": r["hybrid"]} | {f"kv-d{d}": v for d, v in r["kv"].items()}
@@ -100,12 +136,13 @@ def paper_rows(variants: list[Variant]) -> list[dict]:
             v = role_of.get(who) or by_name.get(who)
             ours = None
             if v is not None:
-                sw = v.stepwise
+                sw = stepwise_of[v.name]
                 ours = {"alpha_6": _rate(sw["alpha_observed"][-1], sw["alpha_sufficient"][-1]),
                         "mat": _rate(sw["mat"], sw["mat_sufficient"]),
                         "retention": _rate(sw["retention_observed"], sw["retention_sufficient"]),
                         "tau": v.e2e["modes"]["chain"]["tau"] if v.e2e else None}[metric]
-            rows.append({"metric": metric, "drafter": who, "paper (Qwen3-8B)": paper, "this run": ours})
+            rows.append({"metric": metric, "drafter": who, "paper (Qwen3-8B)": paper, "this run": ours,
+                         "protocol": "continuations (E2E)" if metric == "tau" else protocol})
     return rows
 
 
@@ -136,7 +173,8 @@ def _latex(rows: list[dict]) -> str:
     return "\n".join(lines + [r"\bottomrule", r"\end{tabular}"]) + "\n"
 
 
-TABLES = {"stepwise": stepwise_rows, "steps": step_rows, "depth": depth_rows, "e2e": e2e_rows, "paper": paper_rows}
+TABLES = {"stepwise": stepwise_rows, "steps": step_rows, "context": context_rows, "depth": depth_rows, "e2e": e2e_rows,
+          "paper": paper_rows}
 
 
 def write_tables(variants: list[Variant], out_dir: str | Path) -> dict[str, list[dict]]:
