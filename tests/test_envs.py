@@ -19,7 +19,7 @@ from .conftest import REPO
 DEVICE_RULES = {"target", "capture_features", "target_continuations", "train_drafter", "eval_stepwise",
                 "eval_e2e", "scaling_train", "scaling_stepwise", "regenerate_data"}
 OPTIONAL_RULES = {"regenerate_data"}   # in the DAG only when its config asks for it
-CPU_RULES = {"prepare_data", "train_tokenizer", "report", "scaling_report"}
+CPU_RULES = {"prepare_data", "train_tokenizer", "report", "scaling_report", "export_eagle3"}
 
 RULE_ENVS = """
 import json, sys
