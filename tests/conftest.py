@@ -72,15 +72,3 @@ def tiny_features(tiny):
         out[split] = tiny["root"] / "features" / split
         capture_split(tiny["cfg"], tiny["rt"], str(tiny[split]), str(tiny["model"]), str(out[split]))
     return out
-
-
-@pytest.fixture(scope="module")
-def drafter_world(tiny, tiny_features):
-    """What a drafter is built from: the tiny train features, the target and a 150-token draft vocabulary."""
-    from kvshot.features import open_features
-    from kvshot.target import load_target
-    from kvshot.train import draft_vocab
-
-    src = open_features(tiny_features["train"])
-    target = load_target(tiny["model"], tiny["rt"])
-    return src, target, draft_vocab(src, 150, target.config.vocab_size)
