@@ -5,37 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .skeleton import DecoderLayer, Drafter, DrafterConfig, Keys, RMSNorm, Rotary, StepState
-
-
-def extend(old: Tensor | None, new: Tensor, dim: int) -> Tensor:
-    return new if old is None else torch.cat([old, new], dim=dim)
-
-
-def add_own_keys(state: StepState, slot: int, keys: Keys, k: int, valid: Tensor | None) -> None:
-    """Step 0's keys join the prefix (this round's anchors); later steps add diagonals."""
-    if k == 0:
-        old = state.prefix[slot]
-        state.prefix[slot] = keys if old is None else Keys(torch.cat([old.k, keys.k], 2), torch.cat([old.v, keys.v], 2))
-        old_anchor = state.prefix_anchor[slot]
-        state.prefix_anchor[slot] = extend(old_anchor, state.anchors, 1)
-        old_valid = state.prefix_valid[slot]
-        if valid is not None or old_valid is not None:
-            ones = torch.ones_like(state.anchors, dtype=torch.bool)
-            valid = ones if valid is None else valid.bool()
-            if old_anchor is not None:
-                old_valid = torch.ones_like(old_anchor, dtype=torch.bool) if old_valid is None else old_valid
-            state.prefix_valid[slot] = extend(old_valid if old_anchor is not None else None, valid, 1)
-    else:
-        state.diag[slot].append(keys)
-
-
-def self_attention(state: StepState, slot: int, layer: DecoderLayer, x: Tensor, rot: Rotary, k: int,
-                   valid: Tensor | None) -> Tensor:
-    """A layer's attention over its own keys: step 0's join the prefix, later steps' the diagonals."""
-    q, keys = layer.self_attn.project(layer.attn_norm(x), rot)
-    add_own_keys(state, slot, keys, k, valid)
-    return layer.self_attn.attend(q, state.prefix[slot], state.mask(slot, q.dtype), state.diag[slot])
+from .own_prefix import add_own_keys, carried_state
+from .skeleton import DecoderLayer, Drafter, DrafterConfig, RMSNorm, Rotary, StepState
 
 
 class HiddenDrafter(Drafter):
@@ -53,12 +24,9 @@ class HiddenDrafter(Drafter):
         self.layers[0].attn_norm = nn.Identity()
 
     def begin(self, ctx: dict[str, Tensor], anchors: Tensor, previous: StepState | None = None) -> StepState:
-        n = len(self.layers)
-        keep = (lambda xs: list(xs[:n])) if previous is not None else (lambda xs: [None] * n)
-        return StepState(anchors=anchors, prefix=keep(previous.prefix if previous else []),
-                         prefix_anchor=keep(previous.prefix_anchor if previous else []),
-                         prefix_valid=keep(previous.prefix_valid if previous else []), diag=[[] for _ in range(n)],
-                         hidden=self.fc(ctx["aux_hidden"].flatten(-2)), extra={"valid": ctx.get("anchor_valid")})
+        state = carried_state(anchors, len(self.layers), previous, ctx.get("anchor_valid"))
+        state.hidden = self.fc(ctx["aux_hidden"].flatten(-2))   # the target's context: fused aux hidden states
+        return state
 
     def hidden_layer(self, state: StepState, i: int, emb: Tensor, h: Tensor, rot: Rotary,
                      k: int) -> tuple[Tensor, Rotary]:

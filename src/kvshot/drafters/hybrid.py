@@ -30,13 +30,8 @@ class HybridDrafter(HiddenDrafter):
         return torch.sigmoid(self.gate_logit)
 
     def begin(self, ctx: dict[str, Tensor], anchors: Tensor, previous: StepState | None = None) -> StepState:
-        state = super().begin(ctx, anchors, previous)
-        n = len(self.layers)
-        state.prefix += [None] * n
-        state.prefix_anchor += [None] * n
-        state.prefix_valid += [None] * n
-        state.diag += [[] for _ in range(n)]
-        return kv_state(ctx, anchors, self.cfg.kv_layers, state, first_slot=n)
+        state = super().begin(ctx, anchors, previous)              # slots 0..n-1: the hidden path's own prefix
+        return kv_state(ctx, anchors, self.cfg.kv_layers, state)   # slots n..2n-1: the target's KV
 
     def step(self, state: StepState, input_ids: Tensor, positions: Tensor, k: int) -> Tensor:
         emb, rot = self.embed_tokens(input_ids), self.rotary(positions)

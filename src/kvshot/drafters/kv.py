@@ -3,6 +3,7 @@ the drafter's own layers; each layer re-attends to one target layer's KV cache o
 prefix plus the keys its own W_K, W_V project from the drafted tokens."""
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from .skeleton import Attention, DecoderLayer, Drafter, DrafterConfig, Keys, Rotary, StepState
@@ -13,23 +14,20 @@ def target_prefix(ctx: dict[str, Tensor], layer: int) -> Keys:
     return Keys(ctx[f"key_{layer}"].transpose(1, 2), ctx[f"value_{layer}"].transpose(1, 2))
 
 
-def kv_state(ctx: dict[str, Tensor], anchors: Tensor, kv_layers: list[int], state: StepState | None = None,
-             first_slot: int = 0) -> StepState:
-    """Fill slots first_slot.. with the target prefix of each mapped target layer."""
+def kv_state(ctx: dict[str, Tensor], anchors: Tensor, kv_layers: list[int], state: StepState | None = None) -> StepState:
+    """New slots after `state`'s (a hybrid's own-key slots; None: a fresh state), one per
+    mapped target layer, whose prefix is that layer's KV cache."""
     t_prefix = ctx[f"key_{kv_layers[0]}"].shape[1]
     prefix_anchor = ctx.get("prefix_anchor")
     if prefix_anchor is None:  # training: prefix key j was computed by the target at anchor j
-        import torch
-
         prefix_anchor = torch.arange(t_prefix, device=anchors.device).expand(anchors.shape[0], -1)
     if state is None:
-        n = first_slot + len(kv_layers)
-        state = StepState(anchors=anchors, prefix=[None] * n, prefix_anchor=[None] * n,
-                          prefix_valid=[None] * n, diag=[[] for _ in range(n)])
+        state = StepState(anchors=anchors, prefix=[], prefix_anchor=[], prefix_valid=[])
+    first = state.add_slots(len(kv_layers))
     for j, layer in enumerate(kv_layers):
-        state.prefix[first_slot + j] = target_prefix(ctx, layer)
-        state.prefix_anchor[first_slot + j] = prefix_anchor
-        state.prefix_valid[first_slot + j] = ctx.get("valid")
+        state.prefix[first + j] = target_prefix(ctx, layer)
+        state.prefix_anchor[first + j] = prefix_anchor
+        state.prefix_valid[first + j] = ctx.get("valid")
     return state
 
 

@@ -292,6 +292,15 @@ class StepState:
     prefix_seq: list[Tensor | None] = field(default_factory=list)   # packed: per layer [1, Tp] each key's sequence
     _masks: list = field(default_factory=list, repr=False)   # (what it was built from, PrefixMask)
 
+    def add_slots(self, n: int) -> int:
+        """Append `n` slots with no prefix yet; returns the first new slot."""
+        first = len(self.prefix)
+        self.prefix += [None] * n
+        self.prefix_anchor += [None] * n
+        self.prefix_valid += [None] * n
+        self.diag += [[] for _ in range(n)]
+        return first
+
     def select_rows(self, rows: Tensor | slice) -> None:
         """Keep only some query rows (decoding: after step 0 over the newly accepted tokens,
         only the last anchor drafts on; tree children take their parent's row). Prefix

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from .hidden import self_attention
+from .own_prefix import carried_state, self_attention
 from .skeleton import DecoderLayer, Drafter, StepState
 
 # our layer norms' names in a Qwen3 decoder layer; every other name is the same
@@ -25,13 +25,8 @@ class StandaloneDrafter(Drafter):
         self.layers = nn.ModuleList(DecoderLayer(cfg.hidden_size, cfg) for _ in range(cfg.num_layers))
 
     def begin(self, ctx: dict[str, Tensor], anchors: Tensor, previous: StepState | None = None) -> StepState:
-        n = len(self.layers)
-        fresh = previous is None
-        state = StepState(anchors=anchors, prefix=[None] * n if fresh else list(previous.prefix),
-                          prefix_anchor=[None] * n if fresh else list(previous.prefix_anchor),
-                          prefix_valid=[None] * n if fresh else list(previous.prefix_valid),
-                          diag=[[] for _ in range(n)], extra={"valid": ctx.get("anchor_valid")})
-        if fresh and "first_ids" in ctx:
+        state = carried_state(anchors, len(self.layers), previous, ctx.get("anchor_valid"))
+        if previous is None and "first_ids" in ctx:   # the only context it reads: the first token
             self.read_first_token(state, ctx["first_ids"])
         return state
 
@@ -45,7 +40,7 @@ class StandaloneDrafter(Drafter):
     def step(self, state: StepState, input_ids: Tensor, positions: Tensor, k: int) -> Tensor:
         h, rot = self.embed_tokens(input_ids), self.rotary(positions)
         for i, layer in enumerate(self.layers):
-            h = h + self_attention(state, i, layer, h, rot, k, state.extra.get("valid"))   # step 0: prefix keys
+            h = h + self_attention(state, i, layer, h, rot, k)   # step 0: prefix keys
             h = layer.mlp_block(h)
         return h
 
