@@ -145,7 +145,9 @@ def draft(drafter: Drafter, state: StepState, step0_ids: Tensor, anchors: Tensor
     """Step 0 over the new anchors, then K-1 steps from the last one. Every drafting row is a
     tree node; `select_rows` with a parent index gives each child its ancestors' diagonal keys
     and its parent's hidden state. Greedy: EAGLE-2 tree (chain when topk == 1), nodes scored
-    by cumulative draft log-probability. Sampling: a chain of tokens sampled from q."""
+    by cumulative draft log-probability. Sampling: a chain of tokens sampled from q. A chain's
+    one row stays itself (no `select_rows` copies), and every depth's nodes stay on the device
+    until the end: no host sync per step."""
     sample = temperature > 0
     if sample and not spec.chain:
         raise ValueError("speculative sampling is implemented for chains only (DraftSpec.topk == 1)")
@@ -153,59 +155,47 @@ def draft(drafter: Drafter, state: StepState, step0_ids: Tensor, anchors: Tensor
     t = int(anchors[0, -1])
     h = drafter.step(state, step0_ids, anchors + 1, 0)[:, -1:]   # step 0 over every new anchor
     state.select_rows(slice(-1, None))                           # only the last one drafts on
-    if spec.chain and not sample:
-        out = _greedy_chain(drafter, state, h, t, spec.depth)
-        return out if spec.total_tokens is None else _best_nodes(out, spec.total_tokens)
-    tokens: list[int] = []
-    parents: list[int] = []
-    depths: list[int] = []
-    scores: list[float] = []
+    positions = torch.arange(t + 1, t + spec.depth + 1, device=device).view(-1, 1, 1)   # step k: t + k + 1
+    tokens: list[Tensor] = []    # per depth: the candidates' draft-vocab ids
+    parents: list[Tensor] = []   # per depth: each candidate's parent node (-1: the root)
+    scores: list[Tensor] = []    # per depth: cumulative draft log-probabilities
     qs: list[Tensor] = []
     row_node = torch.tensor([-1], device=device)   # the node each drafting row stands for
     row_score = torch.zeros(1, device=device)
-    ids = step0_ids[:, -1:]                        # replaced by the frontier's tokens below
+    n_nodes, ids = 0, None
     for k in range(spec.depth):
         if k > 0:   # the frontier's tokens, at position anchor + k + 1
-            h = drafter.step(state, ids, torch.full_like(ids, t + k + 1), k)
+            h = drafter.step(state, ids, positions[k].expand_as(ids), k)
         logits = drafter.logits(h)[0].float()                     # [rows, draft vocab]
         if sample:
             q = torch.softmax(logits / temperature, dim=-1)
             cand_tok = torch.multinomial(q, 1, generator=generator).view(-1)
             cand_row, cand_score = torch.zeros(1, dtype=torch.long, device=device), row_score + q[0, cand_tok].log()
             qs.append(q[0])
+        elif spec.chain:   # the argmax and its log-probability
+            cand_tok = logits.argmax(-1)
+            cand_row = torch.zeros(1, dtype=torch.long, device=device)
+            cand_score = row_score + torch.log_softmax(logits, dim=-1).gather(1, cand_tok[:, None]).squeeze(1)
         else:
             top, idx = torch.log_softmax(logits, dim=-1).topk(spec.topk, dim=-1)
             cand_tok, cand_score = idx.flatten(), (row_score[:, None] + top).flatten()
             cand_row = torch.arange(len(logits), device=device).repeat_interleave(spec.topk)
-        first = len(tokens)
-        tokens += d2t[cand_tok].tolist()
-        parents += row_node[cand_row].tolist()
-        depths += [k + 1] * len(cand_tok)
-        scores += cand_score.tolist()
+        tokens.append(cand_tok)
+        parents.append(row_node[cand_row])
+        scores.append(cand_score)
+        first, n_nodes = n_nodes, n_nodes + len(cand_tok)
         if k + 1 == spec.depth:
             break
+        if spec.chain:   # the one candidate drafts on in the same row
+            row_node, row_score, ids = row_node.new_full((1,), first), cand_score, d2t[cand_tok][None]
+            continue
         keep = cand_score.topk(min(spec.topk, len(cand_score))).indices   # the frontier drafts on
         state.select_rows(cand_row[keep])
         row_node, row_score, ids = first + keep, cand_score[keep], d2t[cand_tok[keep]][None]
-    out = Draft(tokens, parents, depths, scores, torch.stack(qs) if sample else None)
+    depths = [k + 1 for k, x in enumerate(tokens) for _ in range(len(x))]
+    out = Draft(d2t[torch.cat(tokens)].tolist(), torch.cat(parents).tolist(), depths, torch.cat(scores).tolist(),
+                torch.stack(qs) if sample else None)
     return out if spec.total_tokens is None else _best_nodes(out, spec.total_tokens)
-
-
-def _greedy_chain(drafter: Drafter, state: StepState, h: Tensor, t: int, depth: int) -> Draft:
-    """The tree loop specialised to one greedy row: the row stays itself (no `select_rows`
-    copies per step), tokens stay on the device until the end, and the scores come from the
-    stacked logits at once."""
-    positions = torch.arange(t + 2, t + depth + 1, device=h.device).view(-1, 1, 1)   # step k: t + k + 1
-    logits, ids = [], None
-    for k in range(depth):
-        if k > 0:
-            h = drafter.step(state, ids, positions[k - 1], k)
-        logits.append(drafter.logits(h)[0, -1])
-        ids = drafter.d2t[logits[-1].argmax()].view(1, 1)
-    logits = torch.stack(logits).float()                         # [K, draft vocab]
-    best = logits.argmax(-1)
-    scores = torch.log_softmax(logits, dim=-1).gather(1, best[:, None]).squeeze(1).cumsum(0)
-    return Draft(drafter.d2t[best].tolist(), list(range(-1, depth - 1)), list(range(1, depth + 1)), scores.tolist())
 
 
 def _best_nodes(d: Draft, n: int) -> Draft:
