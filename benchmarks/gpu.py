@@ -41,7 +41,7 @@ from kvshot.decode import DraftSpec, plain_generate, speculative_generate
 from kvshot.drafters.attention import pick_backend, use_attention
 from kvshot.target import target_forward
 from kvshot.train import build_variant
-from kvshot.ttt import label_positions, step_losses, target_labels, weighted_loss
+from kvshot.ttt import TTTUnroll, label_positions, step_losses, target_labels, weighted_loss
 
 REPO = Path(__file__).resolve().parents[1]
 # Qwen3-8B's config.json (the pretrained target of config/paper.yaml)
@@ -111,7 +111,7 @@ def feature_batch(target, seq: int, device: str, aux: tuple[int, ...]) -> dict:
 def train_step(model, opt, batch, head_w, steps, decay, autocast, backward: bool = True) -> float:
     labels = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
     with autocast:
-        loss = weighted_loss(step_losses(model, model(batch, steps), batch, labels)[0], decay)
+        loss = weighted_loss(step_losses(model, TTTUnroll(model)(batch, steps), batch, labels)[0], decay)
     if backward:
         loss.backward()
         opt.step()

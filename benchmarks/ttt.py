@@ -39,7 +39,8 @@ from kvshot.drafters.skeleton import Attention
 from kvshot.features import open_features
 from kvshot.target import build_target, load_target, target_forward
 from kvshot.train import build_variant
-from kvshot.ttt import label_positions, reference_unroll, shift, step_losses, target_labels, weighted_loss
+from kvshot.ttt import (TTTUnroll, label_positions, reference_unroll, shift, step_losses, target_labels,
+                        weighted_loss)
 
 SPEEDUP_TARGET, PEAK_SHARE_TARGET = 2.0, 0.40
 
@@ -125,9 +126,9 @@ def reference_loss(model, batch, head_w, steps, decay):
 
 
 def ours_loss(model, batch, head_w, steps, decay):
-    """The trainer's step: labels once per batch, the unroll DDP wraps (`Drafter.forward`)."""
+    """The trainer's step: labels once per batch, the unroll DDP wraps (`ttt.TTTUnroll`)."""
     labels = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
-    losses, *_ = step_losses(model, model(batch, steps), batch, labels)
+    losses, *_ = step_losses(model, TTTUnroll(model)(batch, steps), batch, labels)
     return weighted_loss(losses, decay)
 
 

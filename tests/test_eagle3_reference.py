@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvshot.drafters import DrafterConfig, build_drafter
-from kvshot.ttt import step_losses, target_labels, unroll, weighted_loss
+from kvshot.ttt import TTTUnroll, step_losses, target_labels, unroll, weighted_loss
 
 STEPS, DECAY = 7, 0.8
 B, T, H, HQ, HKV, D, I, V, N = 2, 12, 32, 4, 2, 8, 48, 60, 24
@@ -142,7 +142,7 @@ def test_eagle3_unroll_matches_the_reference(packed):
     ref_loss = reference_loss(theirs, last_hidden @ head.T, model.t2d, assistant)
     ref_grads = torch.autograd.grad(ref_loss, [t for t in params.values() if t.requires_grad])
 
-    un = model(batch, STEPS) if packed else unroll(model, batch, STEPS)   # forward: the trainer's packed path
+    un = TTTUnroll(model)(batch, STEPS) if packed else unroll(model, batch, STEPS)   # the trainer's packed path
     losses, *_ = step_losses(model, un, batch, target_labels(last_hidden, head, model.d2t))
     loss = weighted_loss(losses, DECAY)
     loss.backward()

@@ -27,7 +27,7 @@ from .integrity import content_digest, folder_digest
 from .io import read_json, write_json
 from .progress import Progress
 from .target import load_target, lr_at, rope_theta, target_queries
-from .ttt import (Unrolled, label_positions, query_cosine, scored_tokens, step_losses, target_labels, unroll,
+from .ttt import (TTTUnroll, Unrolled, label_positions, query_cosine, scored_tokens, step_losses, target_labels, unroll,
                   weighted_loss)
 
 
@@ -323,7 +323,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
         progress["resumed_from"] = saved_step = progress["step"]
         progress.pop("stopped_by", None)
         print(f"resuming {name} from step {progress['step']} ({ckpt})", flush=True)
-    ddp = model if world == 1 else torch.nn.parallel.DistributedDataParallel(model)
+    ddp = TTTUnroll(model) if world == 1 else torch.nn.parallel.DistributedDataParallel(TTTUnroll(model))
 
     def no_good_state() -> str:
         return f"last good checkpoint: step {saved_step} at {ckpt}" if saved_step is not None else "no checkpoint yet"

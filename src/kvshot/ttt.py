@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from .drafters import Drafter
 from .drafters.fused import first_argmax, soft_cross_entropy
@@ -193,6 +193,19 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
         if keep_queries:
             out.queries.append([attn.last_query for _, attn in drafter.kv_attentions()])
     return out
+
+
+class TTTUnroll(nn.Module):
+    """The trainer's forward, the module DDP wraps: `unroll` with skip_unlabelled over the
+    anchors of a batch that have labels. The drafter is its only submodule, so DDP syncs
+    exactly the drafter's parameters and buffers."""
+
+    def __init__(self, drafter: Drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch: dict[str, Tensor], steps: int, keep_queries: bool = False) -> Unrolled:
+        return unroll(self.drafter, batch, steps, keep_queries, skip_unlabelled=True)
 
 
 def one_pass(drafter: Drafter, state, ids: Tensor, loss_mask: Tensor, steps: int, rows: Tensor) -> Unrolled:

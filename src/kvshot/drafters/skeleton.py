@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from ..integrity import verify_folder, write_manifest
+from ..integrity import write_manifest
 from ..io import atomic_dir, write_json
 from .attention import attention
 from .fused import rms_norm
@@ -394,7 +394,8 @@ class StepState:
 
 class Drafter(nn.Module):
     """Shared parts: frozen target embedding, decoder layers, final norm, draft-vocab head.
-    A paradigm subclass says how the target's context enters (`begin`, `step`)."""
+    A paradigm subclass says how the target's context enters (`begin`, `step`). There is no
+    `forward`: what a drafter computes is an unroll (`ttt.unroll`; under DDP, `ttt.TTTUnroll`)."""
 
     paradigm = "base"
     reads_aux_hidden = False   # whether `begin` needs the target's aux hidden states
@@ -433,12 +434,6 @@ class Drafter(nn.Module):
         return []
 
     # -------------------------------------------------------------- shared
-    def forward(self, batch: dict[str, Tensor], steps: int, keep_queries: bool = False):
-        """The TTT unroll over the anchors of a batch that have labels (what DDP wraps)."""
-        from ..ttt import unroll
-
-        return unroll(self, batch, steps, keep_queries, skip_unlabelled=True)
-
     def compute_dtype(self) -> torch.dtype:
         """The dtype the target's features are cast to on entry (`ttt.context`)."""
         w = self.lm_head.weight
@@ -464,13 +459,3 @@ class Drafter(nn.Module):
             for name, obj in (extra_files or {}).items():
                 write_json(tmp / name, obj)
             write_manifest(tmp, ["config.json", "model.safetensors"])   # checked in full on load
-
-
-def load_drafter(folder: str | Path, device: str = "cpu") -> Drafter:
-    from . import build_drafter
-
-    folder = Path(folder)
-    verify_folder(folder)   # a damaged weights file fails here, in one line naming it
-    model = build_drafter(DrafterConfig.load(folder / "config.json"))
-    model.load_state_dict(load_file(str(folder / "model.safetensors")))   # saved on the CPU, wherever trained
-    return model.to(device)
