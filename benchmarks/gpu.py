@@ -42,6 +42,7 @@ from kvshot.drafters.attention import pick_backend, use_attention
 from kvshot.target import target_forward
 from kvshot.train import build_variant
 from kvshot.ttt import TTTUnroll, label_positions, step_losses, target_labels, weighted_loss
+from ttt import matmul_peak   # benchmarks/ttt.py: this script's folder is on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 # Qwen3-8B's config.json (the pretrained target of config/paper.yaml)
@@ -159,15 +160,6 @@ def count_flops(model, batch, head_w, steps, decay, autocast, backward: bool) ->
     return counter.get_total_flops()
 
 
-def cpu_matmul_peak(n: int = 512, iters: int = 5) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    return 2 * n ** 3 * iters / (time.perf_counter() - start)
-
-
 def decode_round(target, model, aux, steps, device, prompt_len, new_tokens) -> dict:
     use_attention("auto")
     ids = torch.randint(3, target.config.vocab_size, (1, prompt_len), device=device)
@@ -268,7 +260,7 @@ def main() -> int:
 
         def flop_count():
             flops["flops"] = count_flops(model, batch, head_w, steps, decay, autocast, backward=True)
-            flops["peak"] = cpu_matmul_peak() if args.dry else H200_BF16_PEAK
+            flops["peak"] = matmul_peak(512, 5) if args.dry else H200_BF16_PEAK
             return {"flops_per_step": flops["flops"], "peak_flops": flops["peak"]}
 
         run.figure("flop_count", flop_count, paradigm=paradigm, variant=v["name"])

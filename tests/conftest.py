@@ -72,3 +72,34 @@ def tiny_features(tiny):
         out[split] = tiny["root"] / "features" / split
         capture_split(tiny["cfg"], tiny["rt"], str(tiny[split]), str(tiny["model"]), str(out[split]))
     return out
+
+
+@pytest.fixture(scope="module")
+def drafter_world(tiny, tiny_features):
+    """What a test drafter is built from: (the tiny train features, the tiny target, a
+    150-token draft vocabulary)."""
+    from kvshot.features import open_features
+    from kvshot.target import load_target
+    from kvshot.train import draft_vocab
+
+    src = open_features(tiny_features["train"])
+    target = load_target(tiny["model"], tiny["rt"])
+    return src, target, draft_vocab(src, 150, target.config.vocab_size)
+
+
+def build_test_drafter(world, variant: dict, seed: int = 0):
+    """A fresh drafter for `variant` from `drafter_world` (a standalone one starts from the
+    target's layers), in eval mode. Its 1-D parameters (fresh norms at 1, gates at their init)
+    get a little noise, so that every path matters to the output."""
+    import torch
+
+    from kvshot.train import build_variant
+
+    src, target, d2t = world
+    torch.manual_seed(seed)
+    model = build_variant(variant, target.config, target.model.embed_tokens.weight.detach(), d2t, target)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad and p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()

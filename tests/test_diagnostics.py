@@ -13,7 +13,7 @@ from kvshot.drafters.skeleton import Diagonal
 from kvshot.train import kv_key_share
 from kvshot.ttt import assistant_tokens, shift
 
-from .test_drafters import K, make, setup  # noqa: F401  (the module fixture)
+from .test_drafters import K, make
 
 
 def test_own_key_mass_follows_the_scores():
@@ -34,10 +34,10 @@ def test_own_key_mass_follows_the_scores():
     assert float(own_key_mass(q, pk, visible, None).abs().max()) == 0.0
 
 
-def test_kv_mass_is_measured_per_step_and_equals_the_length_formula_under_uniform_attention(setup):  # noqa: F811
-    src = setup[0]
+def test_kv_mass_is_measured_per_step_and_equals_the_length_formula_under_uniform_attention(drafter_world):
+    src = drafter_world[0]
     batch = src.batch([0, 1])
-    model = make(setup, "kv")
+    model = make(drafter_world, "kv")
     got = attention_diagnostics(model, batch, K, max_rows=10_000)
     mass = got["kv_own_key_mass_k"]
     assert len(mass) == K and all(0 < m < 1 for m in mass) and got["kv_own_key_mass"] == pytest.approx(sum(mass) / K)
@@ -55,19 +55,19 @@ def test_kv_mass_is_measured_per_step_and_equals_the_length_formula_under_unifor
     assert all("attend" not in vars(attn) for _, attn in model.kv_attentions())
 
 
-def test_row_subsample_estimates_the_same_mass(setup):  # noqa: F811
-    src = setup[0]
-    model = make(setup, "kv")
+def test_row_subsample_estimates_the_same_mass(drafter_world):
+    src = drafter_world[0]
+    model = make(drafter_world, "kv")
     batch = src.batch([0, 1])
     every = attention_diagnostics(model, batch, K, max_rows=10_000)["kv_own_key_mass"]
     some = attention_diagnostics(model, batch, K, max_rows=8)["kv_own_key_mass"]
     assert some == pytest.approx(every, abs=0.15) and some != every
 
 
-def test_gate_share_is_zero_with_a_closed_gate_and_grows_with_it(setup):  # noqa: F811
-    src = setup[0]
+def test_gate_share_is_zero_with_a_closed_gate_and_grows_with_it(drafter_world):
+    src = drafter_world[0]
     batch = src.batch([0, 1])
-    model = make(setup, "hybrid")
+    model = make(drafter_world, "hybrid")
     shares = {}
     for logit in (-float("inf"), -2.0, 2.0):
         with torch.no_grad():
@@ -80,8 +80,8 @@ def test_gate_share_is_zero_with_a_closed_gate_and_grows_with_it(setup):  # noqa
     assert model.gate_probe is None
 
 
-def test_hidden_only_drafter_has_no_diagnostics(setup):  # noqa: F811
-    assert attention_diagnostics(make(setup, "hidden"), setup[0].batch([0]), K) == {}
+def test_hidden_only_drafter_has_no_diagnostics(drafter_world):
+    assert attention_diagnostics(make(drafter_world, "hidden"), drafter_world[0].batch([0]), K) == {}
 
 
 def test_train_log_carries_the_measured_diagnostics(tiny, tiny_features, tmp_path):
@@ -96,7 +96,7 @@ def test_train_log_carries_the_measured_diagnostics(tiny, tiny_features, tmp_pat
         assert len(rec["gate_share"]) == 1 and rec["gate_share"][0] > 0
 
 
-def test_a_batch_without_scored_rows_measures_nothing(setup):  # noqa: F811
-    batch = setup[0].batch([0, 1])
+def test_a_batch_without_scored_rows_measures_nothing(drafter_world):
+    batch = drafter_world[0].batch([0, 1])
     batch["loss_mask"] = batch["loss_mask"] * 0
-    assert attention_diagnostics(make(setup, "hybrid"), batch, K) == {}
+    assert attention_diagnostics(make(drafter_world, "hybrid"), batch, K) == {}

@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from kvshot.features import open_features
-from kvshot.target import load_target
-from kvshot.train import build_variant, draft_vocab, kv_key_share, param_groups, variant_config
+from kvshot.train import kv_key_share, param_groups, variant_config
 from kvshot.ttt import context, label_positions, shift, step_losses, target_labels, unroll, weighted_loss
+
+from .conftest import build_test_drafter
 
 K = 4
 VARIANTS = {
@@ -20,23 +20,9 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def setup(tiny, tiny_features):
-    src = open_features(tiny_features["train"])
-    target = load_target(tiny["model"], tiny["rt"])
-    d2t = draft_vocab(src, 150, target.config.vocab_size)
-    return src, target, d2t
-
-
-def make(setup, paradigm: str, seed: int = 0):
-    src, target, d2t = setup
-    torch.manual_seed(seed)
-    model = build_variant(VARIANTS[paradigm], target.config, target.model.embed_tokens.weight.detach(), d2t)
-    with torch.no_grad():  # break the symmetry of fresh norms/gates so every path matters
-        for name, p in model.named_parameters():
-            if p.requires_grad and p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
+def make(world, paradigm: str, seed: int = 0):
+    """The test drafter of `paradigm` (`VARIANTS`), from `drafter_world`."""
+    return build_test_drafter(world, VARIANTS[paradigm], seed)
 
 
 def one_sample_batch(src, i=0):
@@ -44,10 +30,10 @@ def one_sample_batch(src, i=0):
 
 
 @pytest.mark.parametrize("paradigm", list(VARIANTS))
-def test_no_future_leakage(setup, paradigm):
+def test_no_future_leakage(drafter_world, paradigm):
     """The step-k prediction at anchor t may see target context <= t and tokens <= t+k+1 only."""
-    src = setup[0]
-    model = make(setup, paradigm)
+    src = drafter_world[0]
+    model = make(drafter_world, paradigm)
     batch = one_sample_batch(src, 1)
     base = unroll(model, batch, K).logits
     length = batch["input_ids"].shape[1]
@@ -92,9 +78,9 @@ def simulate_drafting(model, sample, t: int, split: int, steps: int) -> list[tor
 
 
 @pytest.mark.parametrize("paradigm", list(VARIANTS))
-def test_batched_unroll_equals_step_by_step_drafting(setup, paradigm):
-    src = setup[0]
-    model = make(setup, paradigm)
+def test_batched_unroll_equals_step_by_step_drafting(drafter_world, paradigm):
+    src = drafter_world[0]
+    model = make(drafter_world, paradigm)
     batch = one_sample_batch(src, 2)
     un = unroll(model, batch, K)
     length = batch["input_ids"].shape[1]
@@ -105,9 +91,9 @@ def test_batched_unroll_equals_step_by_step_drafting(setup, paradigm):
 
 
 @pytest.mark.parametrize("paradigm", list(VARIANTS))
-def test_gradient_reaches_every_branch(setup, paradigm):
-    src, target, _ = setup
-    model = make(setup, paradigm).train()
+def test_gradient_reaches_every_branch(drafter_world, paradigm):
+    src, target, _ = drafter_world
+    model = make(drafter_world, paradigm).train()
     batch = src.batch([0, 1, 2])
     labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t)
     losses, *_ = step_losses(model, unroll(model, batch, K), batch, labels)
@@ -124,8 +110,8 @@ def test_gradient_reaches_every_branch(setup, paradigm):
         torch.testing.assert_close(model.gate(), torch.full_like(model.gate(), 0.3), atol=0.35, rtol=0)
 
 
-def test_draft_vocab_is_most_frequent_assistant_tokens(setup):
-    src, target, d2t = setup
+def test_draft_vocab_is_most_frequent_assistant_tokens(drafter_world):
+    src, target, d2t = drafter_world
     counts = torch.zeros(target.config.vocab_size, dtype=torch.long)
     for i in range(len(src)):
         s = src.tokens(i)
@@ -134,8 +120,8 @@ def test_draft_vocab_is_most_frequent_assistant_tokens(setup):
     assert counts[d2t].min() >= counts[~torch.isin(torch.arange(len(counts)), d2t)].max()
 
 
-def test_labels_are_the_target_distribution(setup, tiny):
-    src, target, d2t = setup
+def test_labels_are_the_target_distribution(drafter_world, tiny):
+    src, target, d2t = drafter_world
     batch = src.batch([0])
     labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), d2t, chunk=7)
     logits = target(input_ids=batch["input_ids"].long()).logits
@@ -152,8 +138,8 @@ def test_labels_are_the_target_distribution(setup, tiny):
     assert not some.probs[~where].any() and not some.argmax[~where].any()
 
 
-def test_context_excludes_labels(setup):
-    batch = setup[0].batch([0])
+def test_context_excludes_labels(drafter_world):
+    batch = drafter_world[0].batch([0])
     assert "last_hidden" not in context(batch) and "input_ids" not in context(batch)
 
 
@@ -166,14 +152,14 @@ def test_variant_config_merges_train_overrides(tiny):
 
 @pytest.mark.parametrize("block_rows", [None, 8])
 @pytest.mark.parametrize("paradigm", list(VARIANTS))
-def test_skipping_unlabelled_anchors_keeps_loss_and_gradients(setup, paradigm, block_rows, monkeypatch):
+def test_skipping_unlabelled_anchors_keeps_loss_and_gradients(drafter_world, paradigm, block_rows, monkeypatch):
     """Training drops anchors with no label at any step (after step 0 for the paradigms whose
     step-0 keys are a shared prefix) and packs the batch: same loss, counts and gradients."""
     from kvshot.drafters import skeleton
 
     monkeypatch.setattr(skeleton, "BLOCK_ROWS", block_rows)   # 8: sequences split further into row blocks
-    src, target, _ = setup
-    model = make(setup, paradigm).train()
+    src, target, _ = drafter_world
+    model = make(drafter_world, paradigm).train()
     batch = src.batch([0, 1, 2, 3])          # different lengths: padding, user turns unlabelled
     assert (batch["loss_mask"] == 0).float().mean() > 0.2
     every = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t)

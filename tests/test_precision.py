@@ -18,8 +18,10 @@ from kvshot.config import Runtime, drafter_autocast
 from kvshot.features import capture_split, open_features
 from kvshot.stepwise import chain_correct, stepwise
 from kvshot.target import load_target
-from kvshot.train import build_variant, draft_vocab, evaluate, train_variant
+from kvshot.train import evaluate, train_variant
 from kvshot.ttt import unroll
+
+from .conftest import build_test_drafter
 
 K = 3
 PARADIGMS = ["hidden", "kv", "hybrid", "standalone"]
@@ -104,24 +106,8 @@ def test_online_bf16_features_hold_only_what_the_variant_reads(tiny, bf16_featur
     assert m["steps"] == 1 and all(math.isfinite(x) for x in m["eval"]["loss"])
 
 
-@pytest.fixture(scope="module")
-def fp32_world(tiny, tiny_features):
-    src = open_features(tiny_features["train"])
-    target = load_target(tiny["model"], tiny["rt"])
-    d2t = draft_vocab(src, 150, target.config.vocab_size)
-    return src, target, d2t
-
-
 def make(world, paradigm: str):
-    src, target, d2t = world
-    torch.manual_seed(0)
-    model = build_variant({"name": "p", "paradigm": paradigm, "layers": 2}, target.config,
-                          target.model.embed_tokens.weight.detach(), d2t, target)
-    with torch.no_grad():   # break the symmetry of fresh norms and gates, as test_drafters does
-        for p in model.parameters():
-            if p.requires_grad and p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
+    return build_test_drafter(world, {"name": "p", "paradigm": paradigm, "layers": 2})
 
 
 def short_batch(src, ids, length=32):
@@ -129,11 +115,11 @@ def short_batch(src, ids, length=32):
 
 
 @pytest.mark.parametrize("paradigm", PARADIGMS)
-def test_bf16_autocast_unroll_agrees_with_fp32(fp32_world, paradigm):
+def test_bf16_autocast_unroll_agrees_with_fp32(drafter_world, paradigm):
     """The same fp32 drafter unrolled plainly and under the bf16 runtime's autocast: the logits
     agree within bf16 rounding, and the bf16 run really computed in bf16."""
-    model = make(fp32_world, paradigm)
-    batch = short_batch(fp32_world[0], [0, 1])
+    model = make(drafter_world, paradigm)
+    batch = short_batch(drafter_world[0], [0, 1])
     with torch.no_grad():
         ref = unroll(model, batch, K).logits
         with drafter_autocast("cpu", "bfloat16"):
@@ -146,7 +132,7 @@ def test_bf16_autocast_unroll_agrees_with_fp32(fp32_world, paradigm):
         assert float((l.float().argmax(-1) == r.argmax(-1)).float().mean()) > 0.8
 
 
-def test_fp32_drafter_evaluates_bf16_features(tiny, fp32_world, bf16_features):
+def test_fp32_drafter_evaluates_bf16_features(tiny, drafter_world, bf16_features):
     """evaluate() on bf16 shards with an fp32 drafter and a bf16 target's head: plain fp32 and
     under the bf16 runtime's autocast; KV query error against the bf16 target too."""
     rt = bf16_runtime(tiny)
@@ -154,23 +140,23 @@ def test_fp32_drafter_evaluates_bf16_features(tiny, fp32_world, bf16_features):
     src = open_features(bf16_features["eval"])
     assert src.sample(0)["aux_hidden"].dtype == torch.bfloat16
     for paradigm in ("hybrid", "kv"):
-        model = make(fp32_world, paradigm)
+        model = make(drafter_world, paradigm)
         for dtype in ("float32", "bfloat16"):
             m = evaluate(model, src, target.lm_head.weight.detach(), K, 2, 1, target, dtype)
             assert all(math.isfinite(x) for x in m["loss"]) and all(-1 <= c <= 1 for c in m["query_cosine"])
         assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_stepwise_runs_an_fp32_drafter_on_a_bf16_target(tiny, fp32_world):
+def test_stepwise_runs_an_fp32_drafter_on_a_bf16_target(tiny, drafter_world):
     """The step-wise simulation hands a bf16 target's raw features to an fp32 drafter (plain and
     under autocast): it runs, and its results come back on the CPU."""
     target = load_target(tiny["model"], bf16_runtime(tiny))
-    src = fp32_world[0]
+    src = drafter_world[0]
     items = []
     for i in range(3):
         ids = src.tokens(i)["input_ids"][:30].tolist()
         items.append({"prompt": ids[:8], "continuation": ids[8:]})
-    model = make(fp32_world, "hybrid")
+    model = make(drafter_world, "hybrid")
     aux = src.spec.aux_layers
     for dtype in ("float32", "bfloat16"):
         per_seq = list(chain_correct(model, target, items, aux, K, 2, "cpu", dtype))
