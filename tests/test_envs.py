@@ -114,3 +114,23 @@ def test_rules_run_in_env_files_chosen_by_device(tmp_path):
         envs = rule_envs(wd, *overlays)
         envs.pop("all")
         assert set(envs.values()) == {cpu}, (overlays, envs)
+
+
+# what the implicit workflow profile may set: right for every run it merges into
+DEFAULT_PROFILE_KEYS = {"rerun-incomplete"}
+
+
+def test_default_profile_is_where_snakemake_finds_it_and_safe_to_merge(tmp_path):
+    """profiles/default/ beside the Snakefile is Snakemake's implicit workflow profile: it is
+    merged into every run (local, `--profile profiles/slurm`, the tests' own calls) and its keys
+    override a --profile's, so it sets nothing a run chooses itself (cores, jobs, executor,
+    resources). The named profiles sit beside it."""
+    from .test_pipeline import snakemake, workdir
+
+    default = yaml.safe_load((REPO / "profiles/default/config.yaml").read_text())
+    assert set(default) <= DEFAULT_PROFILE_KEYS and default["rerun-incomplete"] is True
+    assert all((REPO / "profiles" / name / "config.yaml").is_file() for name in ("slurm", "slurm-test"))
+    assert not (REPO / "workflow/profiles").exists()
+    proc = snakemake(workdir(tmp_path), "-n", "--cores", "1", "--configfile", "config/smoke.yaml")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "workflow specific profile profiles/default" in proc.stderr   # found, and used

@@ -11,7 +11,7 @@ import pytest
 
 from .conftest import REPO
 
-LINKED = ("Snakefile", "workflow", "config", "envs", "src")
+LINKED = ("Snakefile", "workflow", "profiles", "config", "envs", "src")
 
 
 def workdir(tmp_path: Path) -> Path:
@@ -122,7 +122,7 @@ def test_scaling_sweep_is_its_own_target(tmp_path):
 
 def test_paper_dag_through_the_slurm_profile_dry_runs_with_gpu_resources(tmp_path):
     wd = workdir(tmp_path)
-    proc = snakemake(wd, "-n", "-p", "--profile", "workflow/profiles/slurm", "--configfile", "config/paper.yaml")
+    proc = snakemake(wd, "-n", "-p", "--profile", "profiles/slurm", "--configfile", "config/paper.yaml")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "warning" not in out.lower(), out[-3000:]
     blocks = [b for b in re.split(r"\n(?=\[)", out) if "rule train_drafter:" in b]

@@ -1,4 +1,4 @@
-"""The SLURM path. Without a cluster: the paper DAG dry-run through workflow/profiles/slurm
+"""The SLURM path. Without a cluster: the paper DAG dry-run through profiles/slurm
 books what each job runs (8 GPUs x 8 CPUs for training, one GPU for the target's jobs, the CPU
 partition for CPU-only rules), and the sbatch options the executor plugin derives from those
 resources. With the single-node cluster of scripts/slurm_local.sh (CI starts it): the smoke DAG
@@ -26,8 +26,8 @@ from .conftest import REPO
 from .test_envs import CPU_RULES, DEVICE_RULES, OPTIONAL_RULES, rule_envs
 from .test_pipeline import snakemake, workdir
 
-PROFILE = ("--profile", "workflow/profiles/slurm-test")
-PAPER_PROFILE = REPO / "workflow/profiles/slurm/config.yaml"
+PROFILE = ("--profile", "profiles/slurm-test")
+PAPER_PROFILE = REPO / "profiles/slurm/config.yaml"
 TRAIN_RULES = {"train_drafter", "scaling_train"}
 
 
@@ -67,7 +67,7 @@ def parse_dry_run(out: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def paper_dry_run(tmp_path_factory):
     wd = workdir(tmp_path_factory.mktemp("paper_slurm"))
-    proc = snakemake(wd, "all", "figures/scaling.pdf", "-n", "-p", "--profile", "workflow/profiles/slurm",
+    proc = snakemake(wd, "all", "figures/scaling.pdf", "-n", "-p", "--profile", "profiles/slurm",
                      "--configfile", "config/paper.yaml", timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "warning" not in out.lower(), out[-3000:]
