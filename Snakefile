@@ -44,7 +44,7 @@ rule all:
         "results/data/stats.json",
         "results/target/metrics.json",
         expand("results/features/{split}", split=SPLITS),
-        expand("results/drafters/{variant}", variant=VARIANTS),
+        expand("results/drafters/{variant}/seed{seed}", variant=VARIANTS, seed=SEEDS),
         expand("results/eval/{variant}/stepwise.json", variant=VARIANTS),
         expand("results/eval/{variant}/e2e.json", variant=VARIANTS),
         expand("figures/{figure}.pdf", figure=FIGURES),

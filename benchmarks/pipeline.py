@@ -1,5 +1,5 @@
 """Whole-pipeline budget: wall time and peak memory per rule of the last default run, from
-Snakemake's `benchmark:` files and its run log. Target: within 25 minutes on 2 cores, peak
+Snakemake's `benchmark:` files and its run log. Target: within 40 minutes on 2 cores (issue 19), peak
 memory under 6 GiB. Prints the ratios last; exits non-zero when a target is missed.
 
     python benchmarks/pipeline.py [--results results] [--log .snakemake/log/<run>.snakemake.log]
@@ -14,7 +14,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-WALL_TARGET_S = 25 * 60
+WALL_TARGET_S = 40 * 60
 MEM_TARGET_MB = 6 * 1024
 
 

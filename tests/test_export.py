@@ -181,7 +181,7 @@ def test_the_dag_exports_the_eagle3_variant(tmp_path):
         names = set(fh.keys())
     assert {sglang_destination(n) for n in names} - {None} == SGLANG_PARAMS
     assert (wd / "logs/export_eagle3_eagle3.log").exists()
-    assert json.loads((wd / "results/drafters/eagle3/variant.json").read_text())["qk_norm"] is False
+    assert json.loads((wd / "results/drafters/eagle3/seed0/variant.json").read_text())["qk_norm"] is False
 
 
 # ---------------------------------------------------------------- back into kvshot

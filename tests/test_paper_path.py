@@ -74,7 +74,7 @@ def test_paper_config_runs_end_to_end_on_cpu(tmp_path):
         assert json.loads((wd / f"results/features/{split}/index.json").read_text())["mode"] == "online"
 
     for name in VARIANTS:
-        folder = wd / f"results/drafters/{name}"
+        folder = wd / f"results/drafters/{name}/seed0"
         metrics = json.loads((folder / "metrics.json").read_text())
         assert metrics["world_size"] == 2 and metrics["steps"] == 4, metrics
         assert metrics["dtype"] == "bfloat16" and metrics["device"] == "cpu", metrics
@@ -98,7 +98,7 @@ def test_paper_config_runs_end_to_end_on_cpu(tmp_path):
     scaling = (wd / "results/scaling/scaling.csv").read_text()
     assert {int(n) for n in re.findall(r"^(\d+),", scaling, re.M)} >= {40, 80}, scaling
     for n in (40, 80):
-        m = json.loads((wd / f"results/scaling/n{n}/drafters/kv-d1/metrics.json").read_text())
+        m = json.loads((wd / f"results/scaling/n{n}/drafters/kv-d1/seed0/metrics.json").read_text())
         assert m["train_samples"] == n and m["world_size"] == 2
     assert (wd / "figures/scaling.pdf").read_bytes()[:4] == b"%PDF"
     for log in (wd / "logs").glob("*.log"):

@@ -52,16 +52,22 @@ def test_smoke_dag_end_to_end(tmp_path):
         assert index["bytes_per_token"] == sum(index["bytes_per_token_by_tensor"].values())
     variants = ("eagle3", "kv-d1", "kv-d2", "kv-d4", "hybrid", "standalone")
     for name in variants:
-        folder = wd / f"results/drafters/{name}"
-        metrics = json.loads((folder / "metrics.json").read_text())
-        log = json.loads((folder / "train_log.json").read_text())
-        assert metrics["steps"] == 4 and len(metrics["eval"]["acc"]) == 7
-        assert all(len(r["acc_k"]) == 7 and len(r["loss_k"]) == 7 for r in log)
-        assert (folder / "model.safetensors").exists() and not (wd / f"results/drafters/{name}.ckpt").exists()
+        for seed in (0, 1):   # smoke.yaml: drafters.seeds [0, 1], one training job each
+            folder = wd / f"results/drafters/{name}/seed{seed}"
+            metrics = json.loads((folder / "metrics.json").read_text())
+            log = json.loads((folder / "train_log.json").read_text())
+            assert metrics["seed"] == seed and metrics["steps"] == 4 and len(metrics["eval"]["acc"]) == 7
+            assert [p["step"] for p in metrics["heldout_curve"]] == [2, 4]   # eval_every 2
+            assert all(len(r["acc_k"]) == 7 and len(r["loss_k"]) == 7 for r in log)
+            assert len((folder / "train_log.jsonl").read_text().splitlines()) == len(log) + 2
+            assert (folder / "model.safetensors").exists() and not (folder.parent / f"seed{seed}.ckpt").exists()
         stepwise = json.loads((wd / f"results/eval/{name}/stepwise.json").read_text())
         assert len(stepwise["alpha"]) == 7 and stepwise["rounds"][0] > 0 and stepwise["mat"] >= 1
+        assert [s["seed"] for s in stepwise["per_seed"]] == [0, 1]      # pooled: the seeds' counts summed
+        assert stepwise["rounds"] == [a + b for a, b in zip(*(s["rounds"] for s in stepwise["per_seed"]))]
         natural = json.loads((wd / f"results/eval/{name}/stepwise_natural.json").read_text())
-        assert natural["protocol"] == "natural" and 0 < natural["rounds"][0] <= 24   # one round per anchor at most
+        assert natural["protocol"] == "natural" and all(0 < s["rounds"][0] <= 24 for s in natural["per_seed"])
+        assert natural["rounds"][0] == sum(s["rounds"][0] for s in natural["per_seed"])   # one round per anchor and seed
         for sw in (stepwise, natural):
             assert 0 <= sw["repetition"]["share"] <= 1 and sum(sw["by_context"]["anchors"]) == sw["rounds"][0]
         if name.startswith("kv") or name == "hybrid":   # measured diagnostics (a batch with a scored row)
@@ -70,18 +76,23 @@ def test_smoke_dag_end_to_end(tmp_path):
         assert any("gate_share" in r for r in log) == (name == "hybrid")
         e2e = json.loads((wd / f"results/eval/{name}/e2e.json").read_text())
         assert e2e["lossless"] is True and set(e2e["modes"]) == {"chain", "tree"}
+        assert [s["seed"] for s in e2e["per_seed"]] == [0, 1]
+        assert e2e["modes"]["chain"]["rounds"] == sum(s["modes"]["chain"]["rounds"] for s in e2e["per_seed"])
     for fig in ("decay", "depth", "gate", "gradients", "query_error", "e2e", "context"):
         assert (wd / f"figures/{fig}.pdf").read_bytes()[:4] == b"%PDF"
     claims = json.loads((wd / "results/claims.json").read_text())
     assert len(claims) == 8 and all(c["verdict"] for c in claims)
     assert {c["protocol"] for c in claims if "protocol" in c} <= {"continuations", "natural"}
     assert len(json.loads((wd / "results/eval/natural.json").read_text())["items"]) == 24
-    for table in ("stepwise", "steps", "context", "depth", "e2e", "paper"):
+    assert all(c.get("seeds") == 2 for c in claims if c.get("seeds") is not None)
+    assert any(c.get("seeds") == 2 for c in claims)
+    for table in ("stepwise", "steps", "context", "depth", "e2e", "paper", "training"):
         assert (wd / f"results/tables/{table}.csv").exists()
     rules = ["prepare_data", "train_tokenizer", "target", "capture_features_train", "capture_features_eval",
              "target_continuations", "report"]
-    per_variant = ("train_drafter", "eval_stepwise", "eval_e2e")
-    for rule in rules + [f"{r}_{name}" for r in per_variant for name in variants]:
+    per_variant = [f"{r}_{name}" for r in ("eval_stepwise", "eval_e2e") for name in variants]
+    per_variant += [f"train_drafter_{name}_seed{seed}" for name in variants for seed in (0, 1)]
+    for rule in rules + per_variant:
         assert (wd / f"logs/{rule}.log").exists()
         assert (wd / f"results/benchmarks/rules/{rule}.tsv").exists()
     proc = snakemake(wd, "--configfile", "config/smoke.yaml", "--report", "report.html")
@@ -92,7 +103,7 @@ def test_smoke_dag_end_to_end(tmp_path):
     assert "Nothing to be done" in (snakemake(wd, "-n", "--configfile", "config/smoke.yaml").stdout)
     (wd / "more.yaml").write_text("features:\n  kv_layers: [0, 1, 2, 3]\n")   # every variant's layers (checks.py)
     jobs = dry_run_jobs(wd, "config/smoke.yaml", "more.yaml")
-    downstream = {"train_drafter": 6, "eval_stepwise": 6, "eval_e2e": 6, "report": 1, "all": 1}
+    downstream = {"train_drafter": 12, "eval_stepwise": 6, "eval_e2e": 6, "report": 1, "all": 1}
     assert jobs == {"capture_features": 2, **downstream}
     (wd / "more.yaml").write_text("drafters:\n  train:\n    lr: 0.002\n")
     assert dry_run_jobs(wd, "config/smoke.yaml", "more.yaml") == downstream
@@ -103,10 +114,12 @@ def test_paper_dag_dry_runs_with_the_default_rule_graph(tmp_path):
     default = dry_run_jobs(wd)
     paper = dry_run_jobs(wd, "config/paper.yaml")
     smoke = dry_run_jobs(wd, "config/smoke.yaml")
-    assert default == paper == smoke
-    assert default == {"prepare_data": 1, "train_tokenizer": 1, "target": 1, "capture_features": 2,
-                       "target_continuations": 1, "train_drafter": 6, "eval_stepwise": 6, "eval_e2e": 6,
-                       "report": 1, "all": 1}
+    shared = {"prepare_data": 1, "train_tokenizer": 1, "target": 1, "capture_features": 2,
+              "target_continuations": 1, "eval_stepwise": 6, "eval_e2e": 6, "report": 1, "all": 1}
+    # one training job per variant and seed (drafters.seeds: default 3, smoke 2, paper 1)
+    assert default == shared | {"train_drafter": 18}
+    assert smoke == shared | {"train_drafter": 12}
+    assert paper == shared | {"train_drafter": 6}
 
 
 def test_scaling_sweep_is_its_own_target(tmp_path):

@@ -231,8 +231,8 @@ def test_smoke_dag_goes_through_sbatch(slurm_run, tmp_path):
 def test_scancel_mid_training_then_resubmit_resumes(slurm_run):
     wd, _ = slurm_run
     (wd / "long.yaml").write_text("drafters:\n  train:\n    max_steps: 400\n    ckpt_every: 20\n")
-    args = ["results/drafters/kv-d1", *PROFILE, "--configfile", "config/smoke.yaml", "long.yaml"]
-    ckpt = wd / "results/drafters/kv-d1.ckpt/checkpoint.pt"
+    args = ["results/drafters/kv-d1/seed0", *PROFILE, "--configfile", "config/smoke.yaml", "long.yaml"]
+    ckpt = wd / "results/drafters/kv-d1/seed0.ckpt/checkpoint.pt"
     run = subprocess.Popen(["snakemake", *args], cwd=wd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     step, deadline = 0, time.time() + 600
     while time.time() < deadline and run.poll() is None:
@@ -251,9 +251,9 @@ def test_scancel_mid_training_then_resubmit_resumes(slurm_run):
     subprocess.run(["scancel", *ids], check=True)
     out = run.communicate(timeout=300)[0]
     assert run.returncode != 0, out[-2000:]
-    assert not (wd / "results/drafters/kv-d1/metrics.json").exists() or \
-        json.loads((wd / "results/drafters/kv-d1/metrics.json").read_text())["steps"] != 400
+    assert not (wd / "results/drafters/kv-d1/seed0/metrics.json").exists() or \
+        json.loads((wd / "results/drafters/kv-d1/seed0/metrics.json").read_text())["steps"] != 400
     again = snakemake(wd, *args, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
-    metrics = json.loads((wd / "results/drafters/kv-d1/metrics.json").read_text())
+    metrics = json.loads((wd / "results/drafters/kv-d1/seed0/metrics.json").read_text())
     assert metrics["steps"] == 400 and metrics["resumed_from"] is not None and metrics["resumed_from"] >= 20

@@ -164,6 +164,7 @@ def test_feature_spec_convention():
     from kvshot.config import ConfigError, eagle3_aux_layers
 
     assert eagle3_aux_layers(36) == (2, 18, 33)  # Qwen3-8B
-    assert feature_spec({"aux_layers": None, "kv_layers": "all"}, 8).aux_layers == (2, 4, 5)
+    assert feature_spec({"aux_layers": None, "kv_layers": "all"}, 8).aux_layers == (2, 4, 7)   # aux_rule relative
+    assert feature_spec({"aux_rule": "eagle3", "aux_layers": None, "kv_layers": "all"}, 8).aux_layers == (2, 4, 5)
     with pytest.raises(ConfigError, match="features.aux_layers"):
         feature_spec({"aux_layers": None, "kv_layers": "all"}, 4)  # (2, 2, 1) is not three layers

@@ -25,7 +25,7 @@ def small_cfg(tiny, **train) -> dict:
                                    {"name": "kv2", "paradigm": "kv", "layers": 2}]
     cfg["scaling"]["variants"] = ["kv2"]
     cfg["drafters"]["train"].update({"max_steps": 6, "ckpt_every": 2, "batch_size": 2, "max_len": 48,
-                                     "eval_batches": 1, **train})
+                                     "eval_batches": 1, "eval_every": 0, "plateau": None, **train})
     return cfg
 
 

@@ -53,6 +53,8 @@ def _cmd_train_drafter(args, cfg) -> dict:
         from .export import import_variant
 
         return import_variant(cfg, args.variant, args.target, args.train_features, args.out)
+    if args.seed is not None:
+        cfg["seed"] = args.seed
     try:
         m = train_variant(cfg, runtime(cfg), args.variant, args.train_features, args.eval_features, args.target,
                           args.out, args.runtime_minutes)
@@ -66,7 +68,8 @@ def _cmd_export(args, cfg) -> dict:
 
     # the features' aux layers; None: EAGLE-3's default for the target's depth (with --target)
     aux = cfg.get("features", {}).get("aux_layers")
-    return export_eagle3(args.drafter, args.out, args.target, aux, args.dtype)
+    rule = cfg.get("features", {}).get("aux_rule", "relative")
+    return export_eagle3(args.drafter, args.out, args.target, aux, args.dtype, aux_rule=rule)
 
 
 def _cmd_import(args, cfg) -> dict:
@@ -160,7 +163,7 @@ PATH_HELP = {
     "variant": "drafter variant name from drafters.variants",
     "train-features": "train features folder (results/features/train)",
     "eval-features": "eval features folder (results/features/eval)",
-    "drafter": "drafter folder (results/drafters/<variant>)",
+    "drafter": "the variant's drafter folders, one per training seed (results/drafters/<variant>/seed<N>)",
     "continuations": "target continuations JSON (results/eval/continuations.json)",
     "features-index": "a features index.json (its aux layers are the drafter's inputs)",
     "results": "the results folder",
@@ -197,7 +200,10 @@ def parser() -> argparse.ArgumentParser:
     for stage, names in paths.items():
         s = sub.add_parser(stage, parents=[common], help=STAGE_HELP[stage], description=STAGE_HELP[stage])
         for name in names:
-            s.add_argument(f"--{name}", required=True, help=PATH_HELP[name])
+            if name == "drafter":   # one variant's drafters, one per training seed
+                s.add_argument("--drafter", required=True, nargs="+", help=PATH_HELP[name])
+            else:
+                s.add_argument(f"--{name}", required=True, help=PATH_HELP[name])
         if stage == "prepare-data":
             s.add_argument("--train-samples", type=int, default=None,
                            help="override data.train_samples (scaling sweeps)")
@@ -207,6 +213,8 @@ def parser() -> argparse.ArgumentParser:
         if stage == "eval-stepwise":
             s.add_argument("--natural", default=None, help="the target's rollouts at real anchors (results/eval/natural.json)")
         if stage == "train-drafter":
+            s.add_argument("--seed", type=int, default=None,
+                           help="the training seed (drafter init and data order; default: config `seed`)")
             s.add_argument("--runtime-minutes", type=float, default=None,
                            help="the job's wall-clock limit: checkpoint and exit 75 at this less "
                                 "drafters.train.stop_margin_minutes, counted from process start")
@@ -216,7 +224,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--image", default="docs/decay.png", help="where to copy the decay figure as PNG")
     # EAGLE-3 checkpoints (kvshot.export); --config optional: only features.aux_layers is read
     s = sub.add_parser("export", help="write a drafter as a checkpoint serving engines load")
-    s.add_argument("drafter", help="a trained drafter folder (results/drafters/<variant>)")
+    s.add_argument("drafter", help="a trained drafter folder (results/drafters/<variant>/seed<N>)")
     s.add_argument("out", help="the checkpoint folder to write")
     s.add_argument("--format", choices=["eagle3"], required=True, help="checkpoint layout (docs/drafter_format.md)")
     s.add_argument("--target", default=None, help="the target folder: max positions, aux layers, checks")

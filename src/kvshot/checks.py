@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from .config import default_aux_layers
+
 
 @dataclass(frozen=True)
 class TargetShape:
@@ -116,9 +118,12 @@ def _check_target_fit(cfg: dict, shape: TargetShape, fail: Callable[[list[str], 
                 fail(["features", "aux_layers"], f"{list(aux)} outside 1..{L} for a {L}-layer target")
             if len(set(aux)) != len(aux):
                 fail(["features", "aux_layers"], f"{list(aux)} repeats a layer")
-        elif len({2, L // 2, L - 3}) != 3 or L < 4:
-            fail(["features", "aux_layers"], f"the EAGLE-3 default (2, {L // 2}, {L - 3}) is not three distinct "
-                 f"layers of a {L}-layer target: set them")
+        else:
+            rule = feats.get("aux_rule", "relative")
+            aux = default_aux_layers(L, rule) if L >= 4 else ()
+            if len(set(aux)) != 3 or L < 4:
+                fail(["features", "aux_layers"], f"the {rule} default {aux} is not three distinct "
+                     f"layers of a {L}-layer target: set them")
         if feats["kv_layers"] != "all":
             bad = [k for k in feats["kv_layers"] if k >= L]
             if bad:

@@ -256,9 +256,27 @@ def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
+EAGLE3_DEPTH, EAGLE3_HIGH = 36, 33   # Qwen3-8B: EAGLE-3's high tap is hidden_states[33] of 36 layers
+AUX_RULES = ("relative", "eagle3")
+
+
+def default_aux_layers(num_layers: int, rule: str = "relative") -> tuple[int, int, int]:
+    """The aux taps when features.aux_layers is null. `eagle3`: (2, L//2, L-3) as EAGLE-3 sets
+    them. `relative` (default): the same low and middle taps, and the high tap at the relative
+    depth EAGLE-3 gives it on a 36-layer model, round(33 L / 36), at most L - 1 (hidden_states[L]
+    is the final-norm output). Both give Qwen3-8B's (2, 18, 33); on shallow targets L-3 sits far
+    below the top (8 layers: 5 of 8 against 33 of 36), and `relative` gives 7."""
+    if rule == "eagle3":
+        return eagle3_aux_layers(num_layers)
+    if rule != "relative":
+        raise ConfigError(f"config: features.aux_rule: {rule!r}, expected one of {list(AUX_RULES)}")
+    high = min(num_layers - 1, round(EAGLE3_HIGH * num_layers / EAGLE3_DEPTH))
+    return (2, num_layers // 2, high)
+
+
 def feature_spec(features_cfg: dict, num_layers: int) -> FeatureSpec:
     aux = features_cfg.get("aux_layers")
-    aux = tuple(aux) if aux is not None else eagle3_aux_layers(num_layers)
+    aux = tuple(aux) if aux is not None else default_aux_layers(num_layers, features_cfg.get("aux_rule", "relative"))
     if any(not 0 < a <= num_layers for a in aux):
         raise ConfigError(f"config: features.aux_layers: {list(aux)} outside 1..{num_layers} for a {num_layers}-layer target")
     if len(set(aux)) != 3:

@@ -21,7 +21,7 @@ from .data import DataError
 from .decode import DecodeResult, DraftSpec, plain_generate, speculative_generate
 from .io import read_json, write_json
 from .progress import progress
-from .stepwise import read_continuations
+from .stepwise import drafter_seed, drafter_variant, read_continuations
 
 
 def specs(cfg: dict) -> dict[str, DraftSpec]:
@@ -82,9 +82,23 @@ def summarize(runs: list, baseline: list, dtype: torch.dtype, ulps: float = NEAR
     }
 
 
+def across_seed_modes(per_seed: list[dict]) -> dict:
+    """Mean, min and max over seeds of each mode's tau, speedup and draft time per round."""
+    out = {}
+    for mode in per_seed[0]["modes"]:
+        out[mode] = {}
+        for key in ("tau", "speedup", "draft_seconds_per_round"):
+            values = [s["modes"][mode][key] for s in per_seed]
+            out[mode][key] = {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+    return out
+
+
 @torch.no_grad()
-def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dir: str, target_dir: str, continuations: str,
+def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: str, continuations: str,
                   features_index: str, out_path: str) -> dict:
+    """e2e.json for one variant's drafters (one per training seed): per-seed records in
+    `per_seed`, and `modes` summarized over every seed's runs together (the seed-averaged drafter).
+    Plain decoding runs once per prompt, interleaved with the speculative runs it is timed against."""
     from .drafters import load_drafter
     from .target import load_target
 
@@ -92,10 +106,11 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dir: str, target_dir: str, con
 
     ecfg = cfg["eval"]["e2e"]
     use_attention(cfg["drafters"].get("attention", "auto"))
+    drafter_dirs = [drafter_dirs] if isinstance(drafter_dirs, (str, Path)) else list(drafter_dirs)
     cont = read_continuations(continuations)   # before the models load: a damaged file fails fast
     target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
-    drafter = load_drafter(drafter_dir, rt.device).eval()
-    aux = tuple(read_json(features_index)["spec"]["aux_layers"]) if drafter.reads_aux_hidden else None
+    drafters = [load_drafter(d, rt.device).eval() for d in drafter_dirs]
+    aux = tuple(read_json(features_index)["spec"]["aux_layers"]) if drafters[0].reads_aux_hidden else None
     items = cont["items"][: ecfg["prompts"]]
     n_new, eos = ecfg["max_new_tokens"], cont["eos_id"]
     modes = specs(cfg)
@@ -110,18 +125,31 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dir: str, target_dir: str, con
 
     for it in items[: ecfg["warmup"]]:          # warm-up: allocator, kernels, caches
         plain_generate(target, ids(it), 8, eos)
-        for spec in modes.values():
-            speculative_generate(target, drafter, ids(it), 8, eos, aux, spec)
+        for drafter in drafters:
+            for spec in modes.values():
+                speculative_generate(target, drafter, ids(it), 8, eos, aux, spec)
     start = time.time()
-    baseline, runs = [], {m: [] for m in modes}
-    for it in progress(items, desc=f"e2e {Path(drafter_dir).name}", unit="prompt"):
+    variant = drafter_variant(drafter_dirs[0])
+    baseline, runs = [], [{m: [] for m in modes} for _ in drafters]
+    for it in progress(items, desc=f"e2e {variant}", unit="prompt"):
         baseline.append(plain_generate(target, ids(it), n_new, eos))
-        for m, spec in modes.items():
-            runs[m].append(speculative_generate(target, drafter, ids(it), n_new, eos, aux, spec))
+        for drafter, own in zip(drafters, runs):
+            for m, spec in modes.items():
+                own[m].append(speculative_generate(target, drafter, ids(it), n_new, eos, aux, spec))
     ulps = ecfg.get("near_tie_ulps", NEAR_TIE_ULPS)
+
+    def mode_summaries(by_mode: dict, base: list) -> dict:
+        return {m: summarize(r, base, target.dtype, ulps) | {"spec": vars(modes[m])} for m, r in by_mode.items()}
+
+    per_seed = [{"seed": drafter_seed(d), "drafter": str(d), "modes": mode_summaries(own, baseline)}
+                for d, own in zip(drafter_dirs, runs)]
+    pooled = {m: [r for own in runs for r in own[m]] for m in modes}
     result = {
-        "variant": Path(drafter_dir).name, "paradigm": drafter.cfg.paradigm, "layers": drafter.cfg.num_layers,
-        "modes": {m: summarize(r, baseline, target.dtype, ulps) | {"spec": vars(modes[m])} for m, r in runs.items()},
+        "variant": variant, "paradigm": drafters[0].cfg.paradigm, "layers": drafters[0].cfg.num_layers,
+        "modes": mode_summaries(pooled, baseline * len(drafters)),
+        "pooled": f"{len(drafters)} training seeds: every seed's runs together" if len(drafters) > 1 else "one training seed",
+        "per_seed": per_seed,
+        "across_seeds": across_seed_modes(per_seed),
         # plain decoding against target.generate: same target, a different harness
         "baseline": {"tokens_per_s": statistics.median(b.tokens_per_s for b in baseline),
                      "seconds_per_token": sum(b.total_s for b in baseline) / max(1, sum(len(b.tokens) for b in baseline)),

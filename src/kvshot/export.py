@@ -151,11 +151,11 @@ def eagle3_config(cfg: DrafterConfig, dtype: str, max_position_embeddings: int,
 
 def export_eagle3(drafter_dir: str | Path, out_dir: str | Path, target_dir: str | Path | None = None,
                   aux_layers: list[int] | None = None, dtype: str = "float32",
-                  max_position_embeddings: int | None = None) -> dict:
+                  max_position_embeddings: int | None = None, aux_rule: str = "relative") -> dict:
     """Write `drafter_dir` (a kvshot drafter folder) as an EAGLE-3 checkpoint. With `target_dir`
-    the config takes the target's max_position_embeddings and the EAGLE-3 default aux layers
-    for its depth (unless `aux_layers` are given), and the drafter is checked against it."""
-    from .config import eagle3_aux_layers
+    the config takes the target's max_position_embeddings and the default aux layers for its
+    depth under `aux_rule` (config.default_aux_layers; unless `aux_layers` are given), and the drafter is checked against it."""
+    from .config import default_aux_layers
 
     drafter = load_drafter(drafter_dir)
     check_exportable(drafter, f"{drafter_dir}/config.json")
@@ -167,7 +167,7 @@ def export_eagle3(drafter_dir: str | Path, out_dir: str | Path, target_dir: str 
             if tc.get(key) != ours:
                 raise FormatError(f"{target_dir}/config.json: {key} {tc.get(key)} is not the drafter's {ours}")
         if aux_layers is None:
-            aux_layers = list(eagle3_aux_layers(tc["num_hidden_layers"]))
+            aux_layers = list(default_aux_layers(tc["num_hidden_layers"], aux_rule))
         max_position_embeddings = max_position_embeddings or tc.get("max_position_embeddings")
     max_position_embeddings = max_position_embeddings or 32768
     if aux_layers is not None and len(set(aux_layers)) != 3:

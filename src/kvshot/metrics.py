@@ -1,4 +1,4 @@
-"""Acceptance metrics as defined in shared/PAPER.md, and intervals that stay honest with few rounds.
+"""Acceptance metrics as the paper defines them (docs/paper-vs-kvshot.md), and intervals that stay honest with few rounds.
 
 alpha_k      conditional acceptance: P(step k correct | steps 0..k-1 all correct), chain drafting
 cumulative_k prod_{j<=k} alpha_j = accepted_k / rounds_0 (share of rounds that accept steps 0..k)

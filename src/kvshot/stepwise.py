@@ -258,18 +258,14 @@ def by_context(contexts: Tensor, correct: Tensor, edges: list[int], level: float
     return out
 
 
-def stepwise(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
-             batch_size: int, device: str, bootstrap_samples: int = 1000, seed: int = 0,
-             dtype: str = "float32", min_rounds: int = DEFAULT_MIN_ROUNDS,
-             context_buckets: list[int] | None = None) -> dict:
-    """Exact greedy chain drafting from every anchor of the items: alpha_k, acc_k, MAT,
-    retention, with intervals that resample whole sequences (`chain_summary`; items of one
-    `conversation` are one sequence), the repetition share of the reference tokens, and alpha_k
-    by the anchor's context length."""
+def chain_tally(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
+                batch_size: int, device: str, dtype: str = "float32") -> dict:
+    """Exact greedy chain drafting from every anchor of the items: per-sequence counts (items of
+    one `conversation` are one sequence), each anchor's context length and chain, and the
+    teacher-forced tallies. The raw material of `summarize_tally`; tallies of several drafters
+    (seeds) on the same items add up sequence by sequence."""
     per_group: dict = {}
     contexts, chains, tf_correct, tf_total = [], [], torch.zeros(steps), 0
-    if all("anchors" in it for it in items):   # one anchor each: batches of similar length pad little
-        items = sorted(items, key=lambda it: len(it["prompt"]) + len(it["continuation"]))
     results = chain_correct(drafter, target, items, aux_layers, steps, batch_size, device, dtype)
     for i, (it, (rows, chain_ok, forced_ok)) in enumerate(zip(items, results)):
         if len(rows) == 0:
@@ -284,19 +280,101 @@ def stepwise(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int,
         tf_total += len(rows)
     if not per_group:
         raise ValueError(f"no continuation is longer than {steps} tokens: nothing to evaluate")
-    reached = torch.stack([r for r, _ in per_group.values()])
-    accepted = torch.stack([a for _, a in per_group.values()])
+    return {"groups": per_group, "contexts": torch.cat(contexts), "chains": torch.cat(chains),
+            "tf_correct": tf_correct, "tf_total": tf_total}
+
+
+def pool_tallies(tallies: list[dict]) -> dict:
+    """One tally from several drafters' tallies on the same items (the seeds of a variant):
+    per-sequence counts summed, so the prompt bootstrap still resamples whole sequences."""
+    groups: dict = {}
+    for t in tallies:
+        for key, (r, a) in t["groups"].items():
+            prev = groups.get(key)
+            groups[key] = (r, a) if prev is None else (prev[0] + r, prev[1] + a)
+    return {"groups": groups, "contexts": torch.cat([t["contexts"] for t in tallies]),
+            "chains": torch.cat([t["chains"] for t in tallies]),
+            "tf_correct": sum(t["tf_correct"] for t in tallies), "tf_total": sum(t["tf_total"] for t in tallies)}
+
+
+def summarize_tally(tally: dict, items: list[dict], steps: int, bootstrap_samples: int = 1000, seed: int = 0,
+                    min_rounds: int = DEFAULT_MIN_ROUNDS, context_buckets: list[int] | None = None) -> dict:
+    """alpha_k, acc_k, MAT, retention with intervals that resample whole sequences
+    (`chain_summary`), the repetition share of the reference tokens, alpha_k by context length."""
+    reached = torch.stack([r for r, _ in tally["groups"].values()])
+    accepted = torch.stack([a for _, a in tally["groups"].values()])
     result = {
-        "acc": (tf_correct / max(tf_total, 1)).tolist(),
+        "acc": (tally["tf_correct"] / max(tally["tf_total"], 1)).tolist(),
         "acc_note": "unconditional teacher-forced top-1 accuracy per step (acc_k), not alpha_k",
         "sequences": int(reached.shape[0]),
-        "anchors": tf_total,
+        "anchors": tally["tf_total"],
         "steps": steps,
         "repetition": repetition_share(items),
     }
     result.update(chain_summary(reached, accepted, bootstrap_samples, seed, min_rounds))
-    result["by_context"] = by_context(torch.cat(contexts), torch.cat(chains),
-                                      list(context_buckets or DEFAULT_CONTEXT_BUCKETS))
+    result["by_context"] = by_context(tally["contexts"], tally["chains"], list(context_buckets or DEFAULT_CONTEXT_BUCKETS))
+    return result
+
+
+def order_items(items: list[dict]) -> list[dict]:
+    """One anchor each: batches of similar length pad little."""
+    if all("anchors" in it for it in items):
+        return sorted(items, key=lambda it: len(it["prompt"]) + len(it["continuation"]))
+    return items
+
+
+def stepwise(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
+             batch_size: int, device: str, bootstrap_samples: int = 1000, seed: int = 0,
+             dtype: str = "float32", min_rounds: int = DEFAULT_MIN_ROUNDS,
+             context_buckets: list[int] | None = None) -> dict:
+    """One drafter's step-wise record (`chain_tally` then `summarize_tally`)."""
+    items = order_items(items)
+    tally = chain_tally(drafter, target, items, aux_layers, steps, batch_size, device, dtype)
+    return summarize_tally(tally, items, steps, bootstrap_samples, seed, min_rounds, context_buckets)
+
+
+SEED_METRICS = ("alpha_observed", "cumulative", "mat", "retention_observed")
+
+
+def across_seeds(per_seed: list[dict]) -> dict:
+    """Mean, min and max over seeds of each seed's own alpha_k, cumulative_k, MAT, retention
+    (null where a seed leaves a step undefined): the training spread beside the pooled record."""
+    def stats(values: list) -> dict:
+        ok = [x for x in values if x is not None and x == x]
+        if not ok:
+            return {"mean": None, "min": None, "max": None}
+        return {"mean": sum(ok) / len(ok), "min": min(ok), "max": max(ok)}
+
+    out = {"seeds": [s.get("seed") for s in per_seed]}
+    for key in SEED_METRICS:
+        if isinstance(per_seed[0][key], list):
+            cols = [stats([s[key][k] for s in per_seed]) for k in range(len(per_seed[0][key]))]
+            out[key] = {stat: [c[stat] for c in cols] for stat in ("mean", "min", "max")}
+        else:
+            out[key] = stats([s[key] for s in per_seed])
+    return out
+
+
+def stepwise_seeds(drafters: list[tuple[int, Drafter]], target, items: list[dict], aux_layers: tuple[int, ...],
+                   steps: int, batch_size: int, device: str, bootstrap_samples: int = 1000, seed: int = 0,
+                   dtype: str = "float32", min_rounds: int = DEFAULT_MIN_ROUNDS,
+                   context_buckets: list[int] | None = None) -> dict:
+    """The step-wise record of a variant trained with several seeds, [(seed, drafter)]: pooled
+    over seeds (per-sequence counts summed: the seed-averaged drafter, prompt intervals), with
+    every seed's own record in `per_seed` and their spread in `across_seeds`."""
+    items = order_items(items)
+    tallies, per_seed = [], []
+    for s, drafter in drafters:
+        tally = chain_tally(drafter, target, items, aux_layers, steps, batch_size, device, dtype)
+        tallies.append(tally)
+        own = summarize_tally(tally, items, steps, bootstrap_samples, seed, min_rounds, context_buckets)
+        per_seed.append({"seed": s} | {k: own[k] for k in own if k not in ("by_context", "repetition", "acc_note")})
+    result = summarize_tally(pool_tallies(tallies) if len(tallies) > 1 else tallies[0], items, steps,
+                             bootstrap_samples, seed, min_rounds, context_buckets)
+    result["pooled"] = (f"{len(per_seed)} training seeds: counts summed per sequence over seeds"
+                        if len(per_seed) > 1 else "one training seed")
+    result["per_seed"] = per_seed
+    result["across_seeds"] = across_seeds(per_seed)
     return result
 
 
@@ -318,10 +396,23 @@ def read_continuations(path: str) -> dict:
 MAX_REPETITION = 0.25   # claims are judged on a protocol whose reference repeats at most this much (eval.max_repetition)
 
 
-def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dir: str, target_dir: str, continuations: str,
+def drafter_seed(drafter_dir: str | Path) -> int | None:
+    """The training seed a drafter folder was trained with (its metrics.json)."""
+    path = Path(drafter_dir) / "metrics.json"
+    return read_json(path).get("seed") if path.exists() else None
+
+
+def drafter_variant(drafter_dir: str | Path) -> str:
+    """The variant name of a drafter folder (results/drafters/<variant>/seed<N>)."""
+    path = Path(drafter_dir) / "variant.json"
+    return read_json(path)["name"] if path.exists() else Path(drafter_dir).name
+
+
+def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: str, continuations: str,
                        features_index: str, out_path: str, natural: str | None = None,
                        natural_out: str | None = None) -> dict:
-    """stepwise.json on the continuations; with natural/natural_out also the natural protocol."""
+    """stepwise.json on the continuations for one variant's drafters (one per training seed,
+    pooled with per-seed records); with natural/natural_out also the natural protocol."""
     from .drafters import load_drafter
     from .target import load_target
 
@@ -338,18 +429,20 @@ def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dir: str, target_dir: str
     if natural:
         protocols["natural"] = (read_continuations(natural)["items"], natural_out)
     target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
-    drafter = load_drafter(drafter_dir, rt.device)
+    drafter_dirs = [drafter_dirs] if isinstance(drafter_dirs, (str, Path)) else list(drafter_dirs)
+    drafters = [(drafter_seed(d), load_drafter(d, rt.device)) for d in drafter_dirs]
+    drafter = drafters[0][1]
     aux = tuple(read_json(features_index)["spec"]["aux_layers"])
     ecfg = cfg["eval"]
     summary = {}
     for name, (items, path) in protocols.items():
         start = time.time()
         batch = ecfg["batch_size"] if name == "continuations" else natural_config(ecfg)["batch_size"]
-        result = stepwise(drafter, target, items, aux, steps, batch, rt.device,
-                          ecfg["bootstrap_samples"], cfg["seed"], rt.dtype, min_rounds=ecfg["min_rounds"],
-                          context_buckets=ecfg.get("context_buckets"))
+        result = stepwise_seeds(drafters, target, items, aux, steps, batch, rt.device,
+                                ecfg["bootstrap_samples"], cfg["seed"], rt.dtype, min_rounds=ecfg["min_rounds"],
+                                context_buckets=ecfg.get("context_buckets"))
         result.update(protocol=name, max_repetition=ecfg.get("max_repetition", MAX_REPETITION),
-                      variant=Path(drafter_dir).name, paradigm=drafter.cfg.paradigm, layers=drafter.cfg.num_layers,
+                      variant=drafter_variant(drafter_dirs[0]), drafters=[str(d) for d in drafter_dirs], paradigm=drafter.cfg.paradigm, layers=drafter.cfg.num_layers,
                       seconds=time.time() - start, device=rt.device, threads=rt.threads)
         write_json(path, result)
         numbers = {k: result[k] for k in ("alpha", "mat", "retention")} | {"repetition": result["repetition"]["share"]}

@@ -46,6 +46,8 @@ def variant_config(cfg: dict, name: str) -> dict:
         raise ConfigError(f"config: drafters.variants: no variant named {name!r} (have {sorted(entries)})")
     v = copy.deepcopy(entries[name])
     v["train"] = {**dcfg["train"], **v.get("train", {})}
+    if v["paradigm"] != "standalone":   # the standalone LM starts from the target's layers and head anyway
+        v.setdefault("head_init", dcfg.get("head_init", "random"))
     return v
 
 
@@ -84,7 +86,18 @@ def build_variant(v: dict, target_cfg, embed: torch.Tensor, d2t: torch.Tensor, t
     model.set_vocab(embed, d2t)
     if paradigm == "standalone" and target is not None:
         init_from_target(model, target)
+    elif v.get("head_init", "random") == "target" and target is not None:
+        init_head_from_target(model, target, d2t)
     return model
+
+
+@torch.no_grad()
+def init_head_from_target(model: Drafter, target, d2t: torch.Tensor) -> None:
+    """Start the drafter's output norm and LM head from the target's (its rows for the draft
+    vocabulary), as EAGLE-1/2 reuse the target's head and the standalone LM starts from it:
+    the head need not be learned from scratch in a short training budget."""
+    model.lm_head.weight.copy_(target.lm_head.weight[d2t.to(target.lm_head.weight.device)].to(model.lm_head.weight))
+    model.norm.weight.copy_(target.model.norm.weight.to(model.norm.weight))
 
 
 # ---------------------------------------------------------------- diagnostics
@@ -266,6 +279,40 @@ def _any_rank(accel, *flags: bool) -> list[bool]:
     return [bool(x > 0) for x in total.tolist()]
 
 
+def plateaued(curve: list[dict], patience: int, min_delta: float) -> bool:
+    """Has the held-out loss flattened? True when none of the last `patience` evaluations beat
+    the best before them by more than `min_delta` (relative)."""
+    if patience < 1 or len(curve) <= patience:
+        return False
+    best_before = min(p["heldout_loss"] for p in curve[:-patience])
+    return all(p["heldout_loss"] > best_before * (1 - min_delta) for p in curve[-patience:])
+
+
+def heldout_point(model: Drafter, source: FeatureSource, head_w: torch.Tensor, steps: int, decay: float,
+                  batch_size: int, batches: int, dtype: str, step: int) -> dict:
+    """One point of the held-out curve: the TTT objective on the first eval batches."""
+    ev = evaluate(model, source, head_w, steps, batch_size, batches, None, dtype)
+    return {"step": step, "heldout_loss": float(weighted_loss(torch.tensor(ev["loss"]), decay)),
+            "heldout_loss_k": ev["loss"], "heldout_acc_k": ev["acc"]}
+
+
+class JsonLines:
+    """The live training log: one JSON record per line, flushed as training goes (`tail -f`);
+    rewritten from the checkpoint's records on resume, so it never holds steps that were undone."""
+
+    def __init__(self, path: Path, records: list[dict], enabled: bool = True):
+        self.path, self.enabled = path, enabled
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in records)
+
+    def append(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+
 def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, target_dir: str,
                   out_dir: str, runtime_minutes: float | None = None) -> dict:
     """Train one variant. runtime_minutes: the job's wall-clock limit; past it less
@@ -305,8 +352,8 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
 
     ckpt = Path(f"{out_dir}.ckpt") / "checkpoint.pt"
     fp = _fingerprint(v, cfg, rt, train_dir, eval_dir, target_dir)
-    progress = {"step": 0, "epoch": 0, "cursor": 0, "log": [], "fingerprint": fp, "resumed_from": None,
-                "world_size": world}
+    progress = {"step": 0, "epoch": 0, "cursor": 0, "log": [], "heldout": [], "fingerprint": fp,
+                "resumed_from": None, "world_size": world}
     saved_step = None   # the step of the checkpoint on disk that this run would resume from
     saved = _load_checkpoint(ckpt, fp) if rank == 0 else None
     if world > 1:   # rank 0 decides (and sets aside); every rank then loads the same file or none
@@ -324,6 +371,11 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
         progress.pop("stopped_by", None)
         print(f"resuming {name} from step {progress['step']} ({ckpt})", flush=True)
     ddp = TTTUnroll(model) if world == 1 else torch.nn.parallel.DistributedDataParallel(TTTUnroll(model))
+    progress.setdefault("heldout", [])
+    live = JsonLines(ckpt.parent / "train_log.jsonl",
+                     sorted(progress["log"] + progress["heldout"], key=lambda r: r["step"]), enabled=rank == 0)
+    plateau = tc.get("plateau") or {}
+    eval_every = tc.get("eval_every") or 0
 
     def no_good_state() -> str:
         return f"last good checkpoint: step {saved_step} at {ckpt}" if saved_step is not None else "no checkpoint yet"
@@ -377,12 +429,23 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
                 g = model.gate().detach()
                 rec["gate"] = {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max())}
             progress["log"].append(rec)
+            live.append(rec)
             tok_s = tokens_seen * world / max(time.time() - start, 1e-9)
             bar.set_postfix(loss=round(rec["loss"], 4), acc0=round(rec["acc_k"][0], 3), lr=rec["lr"], tok_s=round(tok_s))
             # the loss log, one flushed line per log_every steps (progress lines fill gaps over 30 s)
             bar.write(f"train {name}: step {step + 1}/{tc['max_steps']} loss {rec['loss']:.4f} "
                       f"acc0 {rec['acc_k'][0]:.3f} lr {rec['lr']:.3g} tokens/s {tok_s:.0f}")
         bar.update(1)
+        if eval_every and progress["step"] % eval_every == 0:   # the held-out curve (every rank: same numbers)
+            point = heldout_point(model, eval_src, head_w, steps_k, decay, tc["batch_size"], tc["eval_batches"],
+                                  rt.dtype, progress["step"])
+            progress["heldout"].append(point)
+            live.append(point)
+            bar.write(f"train {name}: step {progress['step']} held-out loss {point['heldout_loss']:.4f} "
+                      f"acc0 {point['heldout_acc_k'][0]:.3f}")
+            if plateau and plateaued(progress["heldout"], plateau["patience"], plateau["min_delta"]):
+                progress["stopped_by"] = "plateau"
+                break
         if progress["step"] % tc["ckpt_every"] == 0 and progress["step"] < tc["max_steps"]:
             if rank == 0:
                 _save_checkpoint(ckpt, model, opt, sched, progress)
@@ -411,7 +474,8 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     bar.close()
     seconds = time.time() - start
     metrics = {"variant": name, "paradigm": v["paradigm"], "layers": v["layers"], "steps": progress["step"],
-               "stopped_by": progress.get("stopped_by", "max_steps"), "train_samples": n,
+               "stopped_by": progress.get("stopped_by", "max_steps"), "seed": rt.seed, "train_samples": n,
+               "heldout_curve": progress["heldout"],
                "resumed_from": progress["resumed_from"], "world_size": world, "train_seconds": seconds,
                "train_tokens_per_s": tokens_seen * world / max(seconds, 1e-9),
                "parameters": sum(p.numel() for p in params), "draft_vocab_size": len(model.d2t),
@@ -420,6 +484,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
         metrics["eval"] = evaluate(model, eval_src, head_w, steps_k, tc["batch_size"], tc["eval_batches"],
                                    target if model.kv_attentions() else None, rt.dtype)
         model.save(out_dir, {"metrics.json": metrics, "train_log.json": progress["log"], "variant.json": v})
+        shutil.copyfile(live.path, Path(out_dir) / "train_log.jsonl")   # the live log, training and held-out lines
         shutil.rmtree(ckpt.parent, ignore_errors=True)   # the drafter is saved: nothing left to resume
     accel.wait_for_everyone()
     return metrics

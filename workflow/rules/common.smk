@@ -10,6 +10,10 @@ from kvshot.config import ConfigError, stage_config, validate_config  # noqa: E4
 
 SPLITS = ["train", "eval"]
 VARIANTS = [v["name"] for v in config["drafters"]["variants"]]
+# Every variant is trained once per seed (drafter init and data order); evaluation pools them
+# and keeps each seed's record, so the verdicts carry the training variance.
+SEEDS = [int(s) for s in config["drafters"].get("seeds") or [config["seed"]]]
+SCALING_SEEDS = [int(s) for s in config["scaling"].get("seeds") or SEEDS[:1]]
 CPU_ENV = "../../envs/cpu.yaml"
 GPU_ENV = "../../envs/gpu.yaml"
 # Rules that run the target or a drafter get the CUDA environment (CUDA torch, flash-attn)
@@ -121,3 +125,12 @@ def local_data_files(sources):
             if all(Path(f).exists() for f in listed):
                 files.extend(listed)
     return files
+
+
+def drafter_seeds(root, seeds):
+    """The input function for a variant's drafter folders, one per training seed, under root."""
+
+    def folders(wildcards):
+        return [f"{root.format(**wildcards)}/seed{seed}" for seed in seeds]
+
+    return folders

@@ -25,7 +25,7 @@ rule target_continuations:
 
 rule eval_stepwise:
     input:
-        drafter="results/drafters/{variant}",
+        drafters=drafter_seeds("results/drafters/{variant}", SEEDS),   # common.smk
         target="results/target/model",
         continuations="results/eval/continuations.json",
         natural="results/eval/natural.json",
@@ -48,7 +48,7 @@ rule eval_stepwise:
         mem_mb=4000,
         runtime=60,
     shell:
-        "python -m kvshot eval-stepwise --config {params.cfg:q} --threads {threads} --drafter {input.drafter}"
+        "python -m kvshot eval-stepwise --config {params.cfg:q} --threads {threads} --drafter {input.drafters}"
         " --target {input.target} --continuations {input.continuations}"
         " --features-index {input.features}/index.json --out {output.stepwise}"
         " --natural {input.natural} --natural-out {output.natural} > {log} 2>&1"
@@ -56,7 +56,7 @@ rule eval_stepwise:
 
 rule eval_e2e:
     input:
-        drafter="results/drafters/{variant}",
+        drafters=drafter_seeds("results/drafters/{variant}", SEEDS),
         target="results/target/model",
         continuations="results/eval/continuations.json",
         features="results/features/eval",
@@ -77,6 +77,6 @@ rule eval_e2e:
         mem_mb=4000,
         runtime=60,
     shell:
-        "python -m kvshot eval-e2e --config {params.cfg:q} --threads {threads} --drafter {input.drafter}"
+        "python -m kvshot eval-e2e --config {params.cfg:q} --threads {threads} --drafter {input.drafters}"
         " --target {input.target} --continuations {input.continuations}"
         " --features-index {input.features}/index.json --out {output} > {log} 2>&1"

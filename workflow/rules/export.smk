@@ -2,6 +2,7 @@
 # false) written as the checkpoint SGLang's LlamaForCausalLMEagle3 and vLLM's Eagle3 loader read
 # (kvshot.export, docs/drafter_format.md). Not part of `all`; ask for it:
 #   snakemake --cores all results/export/eagle3
+# The exported head is the first training seed's (drafters.seeds).
 
 EXPORTABLE = [v["name"] for v in config["drafters"]["variants"]
               if v["paradigm"] == "hidden" and v["layers"] == 1 and v.get("qk_norm") is False
@@ -10,7 +11,7 @@ EXPORTABLE = [v["name"] for v in config["drafters"]["variants"]
 
 rule export_eagle3:
     input:
-        drafter="results/drafters/{variant}",
+        drafter=f"results/drafters/{{variant}}/seed{SEEDS[0]}",
         target="results/target/model",
     output:
         directory("results/export/{variant}"),

@@ -6,7 +6,7 @@ rule report:
         stepwise=expand("results/eval/{variant}/stepwise.json", variant=VARIANTS),
         natural=expand("results/eval/{variant}/stepwise_natural.json", variant=VARIANTS),
         e2e=expand("results/eval/{variant}/e2e.json", variant=VARIANTS),
-        drafters=expand("results/drafters/{variant}", variant=VARIANTS),
+        drafters=expand("results/drafters/{variant}/seed{seed}", variant=VARIANTS, seed=SEEDS),
     output:
         tables=report(
             directory("results/tables"),

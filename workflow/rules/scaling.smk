@@ -8,29 +8,34 @@
 # epochs each at a global batch of 8).
 use rule train_drafter as scaling_train with:
     output:
-        directory("results/scaling/n{n}/drafters/{variant}"),
+        directory("results/scaling/n{n}/drafters/{variant}/seed{seed}"),
     wildcard_constraints:
         n=r"\d+",
         variant="|".join(VARIANTS),
+        seed=r"\d+",
     params:
         cfg=variant_params("drafters"),
         overlay=scaling_overlay,
         launcher=train_launcher(),
         rank_threads=train_rank_threads(),
     log:
-        log_path("scaling_train", "_n{n}_{variant}"),
+        log_path("scaling_train", "_n{n}_{variant}_seed{seed}"),
     benchmark:
-        bench_path("scaling_train", "_n{n}_{variant}")
+        bench_path("scaling_train", "_n{n}_{variant}_seed{seed}")
 
 
-rule scaling_stepwise:
+# Evaluation: eval_stepwise on the sweep's drafters (scaling.seeds; default the first of
+# drafters.seeds), both protocols.
+use rule eval_stepwise as scaling_stepwise with:
     input:
-        drafter="results/scaling/n{n}/drafters/{variant}",
+        drafters=drafter_seeds("results/scaling/n{n}/drafters/{variant}", SCALING_SEEDS),
         target="results/target/model",
         continuations="results/eval/continuations.json",
+        natural="results/eval/natural.json",
         features="results/features/eval",
     output:
-        "results/scaling/n{n}/eval/{variant}/stepwise.json",
+        stepwise="results/scaling/n{n}/eval/{variant}/stepwise.json",
+        natural="results/scaling/n{n}/eval/{variant}/stepwise_natural.json",
     wildcard_constraints:
         n=r"\d+",
         variant="|".join(VARIANTS),
@@ -40,16 +45,6 @@ rule scaling_stepwise:
         log_path("scaling_stepwise", "_n{n}_{variant}"),
     benchmark:
         bench_path("scaling_stepwise", "_n{n}_{variant}")
-    conda:
-        DEVICE_ENV
-    threads: 1
-    resources:
-        mem_mb=4000,
-        runtime=60,
-    shell:
-        "python -m kvshot eval-stepwise --config {params.cfg:q} --threads {threads} --drafter {input.drafter}"
-        " --target {input.target} --continuations {input.continuations}"
-        " --features-index {input.features}/index.json --out {output} > {log} 2>&1"
 
 
 rule scaling_report:

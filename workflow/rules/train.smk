@@ -1,4 +1,4 @@
-# One drafter per job. With drafters.train.num_processes > 1 the job is DDP through
+# One drafter per job: a variant and a training seed (drafters.seeds). With drafters.train.num_processes > 1 the job is DDP through
 # `accelerate launch` on a port picked at run time (kvshot.launch); the scaling sweep's
 # training (scaling.smk) is this rule with an overlay, so it books and runs the same way.
 
@@ -9,18 +9,19 @@ rule train_drafter:
         eval="results/features/eval",
         target="results/target/model",
     output:
-        directory("results/drafters/{variant}"),
+        directory("results/drafters/{variant}/seed{seed}"),
     wildcard_constraints:
         variant="|".join(VARIANTS),
+        seed=r"\d+",
     params:
         cfg=variant_params("drafters"),
         overlay="",   # scaling_train: ` --config <its train_samples and max_steps>`
         launcher=train_launcher(),
         rank_threads=train_rank_threads(),
     log:
-        log_path("train_drafter", "_{variant}"),
+        log_path("train_drafter", "_{variant}_seed{seed}"),
     benchmark:
-        bench_path("train_drafter", "_{variant}")
+        bench_path("train_drafter", "_{variant}_seed{seed}")
     conda:
         DEVICE_ENV
     threads: train_threads()
@@ -28,8 +29,8 @@ rule train_drafter:
         mem_mb=6000,
         runtime=240,
     # --runtime-minutes: the trainer saves and stops gracefully well before the job's time
-    # limit; the retry (profile `retries`) resumes from results/drafters/<variant>.ckpt/.
+    # limit; the retry (profile `retries`) resumes from results/drafters/<variant>/seed<N>.ckpt/.
     shell:
         "{params.launcher} train-drafter --config {params.cfg:q}{params.overlay} --threads {params.rank_threads}"
-        " --variant {wildcards.variant} --train-features {input.train} --eval-features {input.eval}"
+        " --seed {wildcards.seed} --variant {wildcards.variant} --train-features {input.train} --eval-features {input.eval}"
         " --target {input.target} --runtime-minutes {resources.runtime} --out {output} > {log} 2>&1"

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..io import write_json, write_text
+from ..io import read_json, write_json, write_text
 from .claims import claims_markdown, evaluate_claims
 from .figures import FIGURES
 from .results import load_variants
-from .tables import write_tables
+from .tables import time_capped, write_tables
 
 
 def run_report(results: str, variants: list[str], tables_dir: str, figures_dir: str, claims_md: str,
@@ -18,7 +18,9 @@ def run_report(results: str, variants: list[str], tables_dir: str, figures_dir: 
         FIGURES[name](loaded, Path(figures_dir) / f"{name}.pdf")
     claims = evaluate_claims(loaded)
     write_json(claims_json, claims)
-    write_text(claims_md, claims_markdown(claims))
+    target_metrics = Path(results) / "target" / "metrics.json"
+    capped = time_capped(loaded, read_json(target_metrics) if target_metrics.exists() else None)
+    write_text(claims_md, claims_markdown(claims, capped))
     return {c["claim"]: c["verdict"] for c in claims}
 
 
@@ -57,7 +59,7 @@ def update_readme(results: str, variants: list[str], readme: str, image: str) ->
     """Regenerate the README's results block (decay figure as PNG, step-wise table, claims)
     from the result files, between the two marker comments."""
     from .figures import decay
-    from .tables import _markdown, e2e_rows, stepwise_rows
+    from .tables import _markdown, e2e_rows, stepwise_rows, training_rows
 
     loaded = load_variants(results, variants)
     decay(loaded, image)
@@ -68,6 +70,9 @@ def update_readme(results: str, variants: list[str], readme: str, image: str) ->
                         "per-step counts, cumulative acceptance and intervals in `results/tables/steps.md`):", "",
                         _markdown(stepwise_rows(loaded)), STEPWISE_NOTE, "",
                         "End-to-end decoding (`results/tables/e2e.md`):", "", _markdown(e2e_rows(loaded)), MAT_TAU_NOTE, "",
+                        "Training (`results/tables/training.md`): every variant once per seed; it stops at "
+                        "`drafters.train.max_steps` or when its held-out loss flattens (`plateau`):", "",
+                        _markdown(training_rows(loaded)), "",
                         claims_markdown(claims).replace("# Claims verdict", "Claims verdict (`results/claims.md`):"),
                         README_END])
     text = Path(readme).read_text()

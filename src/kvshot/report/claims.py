@@ -276,10 +276,14 @@ def _gradient_claim(deep: Variant | None) -> dict:
     return claim(name, paper, test, numbers, REPRODUCED if ok else INCONCLUSIVE if half else NOT_REPRODUCED)
 
 
-def claims_markdown(claims: list[dict]) -> str:
+def claims_markdown(claims: list[dict], time_capped: list[str] = ()) -> str:
+    """claims.md; time_capped: what stopped at its max_minutes cap (`tables.time_capped`), warned about."""
     lines = ["# Claims verdict", "", "Computed by `kvshot report` from the result files; paper numbers are "
-             "Qwen3-8B's (shared/PAPER.md), this run's are the embedded or configured scale. A number that rests "
+             "Qwen3-8B's (the paper's tables), this run's are the embedded or configured scale. A number that rests "
              "on fewer rounds than the minimum reads \"insufficient data\" and its comparison is inconclusive.", ""]
+    if time_capped:
+        lines += [f"**Warning:** stopped at the `max_minutes` time cap, not the step budget: {', '.join(time_capped)}. "
+                  "These results depend on the machine's speed and load; raise the cap or free the machine and rerun.", ""]
     judged = next((c for c in claims if c.get("protocol")), None)
     if judged:
         rep = judged.get("reference_repetition")

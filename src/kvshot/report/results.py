@@ -9,7 +9,7 @@ from pathlib import Path
 from ..io import read_json
 from ..metrics import DEFAULT_MIN_ROUNDS
 
-# The paper's Qwen3-8B numbers (shared/PAPER.md), for side-by-side tables and figure marks.
+# The paper's Qwen3-8B numbers (its tables; docs/paper-vs-kvshot.md), for side-by-side tables and figure marks.
 PAPER = {
     "alpha_6": {"kv-d4": 0.495, "eagle3": 0.469},
     "mat": {"kv-d1": 1.84, "kv-d2": 2.23, "eagle3": 2.37, "hybrid": 2.54},
@@ -76,6 +76,30 @@ def stepwise_view(sw: dict, path: str = "stepwise.json") -> dict:
     return sw
 
 
+def seed_folders(variant_dir: Path, sw: dict) -> list[Path]:
+    """A variant's drafter folders, in the order stepwise.json evaluated them (its `per_seed`
+    seeds); a folder holding the drafter itself (a single-seed layout) is its own."""
+    if (variant_dir / "metrics.json").exists():
+        return [variant_dir]
+    seeds = [s.get("seed") for s in sw.get("per_seed") or []]
+    if seeds and all(x is not None for x in seeds):
+        return [variant_dir / f"seed{x}" for x in seeds]
+    return sorted(variant_dir.glob("seed*/"), key=lambda p: int(p.name[4:]) if p.name[4:].isdigit() else -1)
+
+
+def train_records(variant_dir: Path, sw: dict) -> tuple[dict, list]:
+    """The first seed's metrics.json and train log (figures read them), with every seed's in
+    `per_seed` (each with its `train_log`, for the per-seed diagnostics of the claims)."""
+    folders = seed_folders(variant_dir, sw)
+    if folders == [variant_dir]:   # one folder: its metrics.json may carry the seeds' records itself
+        return read_json(variant_dir / "metrics.json"), read_json(variant_dir / "train_log.json")
+    if not folders:
+        raise FileNotFoundError(f"{variant_dir}: no trained drafter (seed<N>/metrics.json)")
+    per_seed = [read_json(f / "metrics.json") | {"train_log": read_json(f / "train_log.json")} for f in folders]
+    first = {k: v for k, v in per_seed[0].items() if k != "train_log"}
+    return first | {"per_seed": per_seed}, per_seed[0]["train_log"]
+
+
 def load_variants(results: str | Path, names: list[str], with_e2e: bool = True,
                   with_train: bool = True) -> list[Variant]:
     results = Path(results)
@@ -88,11 +112,10 @@ def load_variants(results: str | Path, names: list[str], with_e2e: bool = True,
             if protocol not in protocols and (results / "eval" / name / file).exists():
                 other = results / "eval" / name / file
                 protocols[protocol] = stepwise_view(read_json(other), str(other))
-        folder = results / "drafters" / name
         e2e_path = results / "eval" / name / "e2e.json"
+        train, log = train_records(results / "drafters" / name, sw) if with_train else ({}, [])
         out.append(Variant(name=name, paradigm=sw["paradigm"], layers=sw["layers"], stepwise=sw,
-                           train=read_json(folder / "metrics.json") if with_train else {},
-                           log=read_json(folder / "train_log.json") if with_train else [],
+                           train=train, log=log,
                            e2e=read_json(e2e_path) if with_e2e and e2e_path.exists() else None,
                            protocols=protocols))
     return out

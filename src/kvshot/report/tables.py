@@ -25,6 +25,20 @@ def _rate(value: float, enough: bool):
     return value if enough else INSUFFICIENT
 
 
+def _range(stats: dict | None, k: int | None = None) -> str:
+    """A spread across seeds as "[min, max]" (step k of a per-step record)."""
+    if not stats:
+        return ""
+    lo, hi = (stats["min"], stats["max"]) if k is None else (stats["min"][k], stats["max"][k])
+    return "" if lo is None else _ci([lo, hi])
+
+
+def _seed_mean(stats: dict | None, k: int | None = None):
+    if not stats:
+        return None
+    return stats["mean"] if k is None else stats["mean"][k]
+
+
 def by_protocol(variants: list[Variant]):
     """(protocol, its reference repetition share, the variants under it), every protocol."""
     for protocol in protocol_names(variants):
@@ -49,7 +63,10 @@ def _stepwise_rows(variants: list[Variant]) -> list[dict]:
         row = {"variant": v.name, "paradigm": v.paradigm, "layers": v.layers}
         for k, (a, n) in enumerate(zip(sw["alpha_observed"], sw["rounds"])):
             row |= {f"alpha_{k}": _rate(a, sw["alpha_sufficient"][k]), f"n_{k}": n}
+        seeds = sw.get("across_seeds") or {}
         row |= {"MAT": _rate(sw["mat"], sw["mat_sufficient"]), "MAT 95% CI": _ci(sw["mat_ci"]),
+                "seeds": len(seeds.get("seeds") or []) or 1,
+                "MAT seed mean": _seed_mean(seeds.get("mat")), "MAT seed range": _range(seeds.get("mat")),
                 "retention": _rate(sw["retention_observed"], sw["retention_sufficient"]),
                 "min rounds": sw["min_rounds"]}
         rows.append(row)
@@ -68,7 +85,9 @@ def step_rows(variants: list[Variant]) -> list[dict]:
                          "alpha_k 95% CI": _ci(sw["alpha_ci"][k]), "Jeffreys CI (pooled)": _ci(sw["alpha_jeffreys_ci"][k]),
                          "undefined resamples": sw["alpha_undefined_resamples"][k],
                          "cumulative": _rate(sw["cumulative"][k], sw["mat_sufficient"]),
-                         "cumulative 95% CI": _ci(sw["cumulative_ci"][k])})
+                         "cumulative 95% CI": _ci(sw["cumulative_ci"][k]),
+                         "alpha_k seed mean": _seed_mean((sw.get("across_seeds") or {}).get("alpha_observed"), k),
+                         "alpha_k seed range": _range((sw.get("across_seeds") or {}).get("alpha_observed"), k)})
     return rows
 
 
@@ -154,6 +173,33 @@ def _csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
+def training_rows(variants: list[Variant]) -> list[dict]:
+    """One row per variant and training seed: the steps it trained, why it stopped (max_steps,
+    plateau of the held-out loss, or the max_minutes time cap), and its held-out curve's ends."""
+    rows = []
+    for v in variants:
+        for m in v.train.get("per_seed") or [v.train]:
+            curve = m.get("heldout_curve") or []
+            losses = [p["heldout_loss"] for p in curve]
+            rows.append({"variant": v.name, "seed": m.get("seed"), "steps": m.get("steps"),
+                         "stopped by": m.get("stopped_by"), "held-out points": len(curve),
+                         "held-out loss first": losses[0] if losses else None,
+                         "held-out loss best": min(losses) if losses else None,
+                         "held-out loss last": losses[-1] if losses else None,
+                         "seconds": m.get("train_seconds")})
+    return rows
+
+
+def time_capped(variants: list[Variant], target_metrics: dict | None = None) -> list[str]:
+    """What stopped at its `max_minutes` safety cap instead of its step budget: such a result
+    depends on the machine's speed and load, not only on the config and seed."""
+    out = [f"target ({target_metrics.get('train_steps')} steps)"] if (target_metrics or {}).get("stopped_by") == "max_minutes" else []
+    for r in training_rows(variants):
+        if r["stopped by"] == "max_minutes":
+            out.append(f"{r['variant']} seed {r['seed']} ({r['steps']} steps)")
+    return out
+
+
 def _markdown(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)\n"
@@ -174,7 +220,7 @@ def _latex(rows: list[dict]) -> str:
 
 
 TABLES = {"stepwise": stepwise_rows, "steps": step_rows, "context": context_rows, "depth": depth_rows, "e2e": e2e_rows,
-          "paper": paper_rows}
+          "paper": paper_rows, "training": training_rows}
 
 
 def write_tables(variants: list[Variant], out_dir: str | Path) -> dict[str, list[dict]]:
