@@ -98,3 +98,18 @@ def test_the_drafters_load_without_the_training_objective():
     code = "import sys, kvshot.drafters.skeleton, kvshot.drafters; print(sorted(m for m in sys.modules if m == 'kvshot.ttt'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_no_import_cycle_even_through_imports_inside_functions():
+    """Lazy imports (kept for start-up time) must not hide a cycle either: the graph of every
+    import statement, wherever it sits, has none (config <-> checks and chat <-> data had one)."""
+    files = {module_name(f): f for f in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                deps |= imported(name, node, path.name == "__init__.py")
+        graph[name] = {d for d in deps if d in files and d != name}
+    assert "kvshot.drafters" in graph["kvshot.stepwise"]   # function-level edges are in the graph
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))

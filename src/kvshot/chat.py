@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .io import DataError
+
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 # Jinja twin of render_chat, for tokenizer.chat_template; tests check they agree.
@@ -64,8 +66,6 @@ def assistant_spans(text: str, messages: list[dict]) -> list[tuple[int, int]]:
             if start >= 0:
                 break
         else:
-            from .data import DataError
-
             raise DataError(f"chat template: message {index} ({m['role']}) is not rendered verbatim before {IM_END}")
         cursor = start + len(candidate) + len(IM_END)
         if m["role"] == "assistant":

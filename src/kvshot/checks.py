@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .config import default_aux_layers
+from .taps import default_aux_layers
 
 
 @dataclass(frozen=True)

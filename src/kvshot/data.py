@@ -22,6 +22,7 @@ from typing import Iterator
 
 from .chat import (CHAT_TEMPLATE, IM_END, IM_START, encode_prompt, render_chat,  # noqa: F401 (re-exported)
                    render_conversation, tokenize_conversation)
+from .io import DataError  # noqa: F401 (re-exported: `from .data import DataError` stays valid)
 from .ranked_writer import RankedWriter, atomic_write
 
 ROLES = ("system", "user", "assistant")
@@ -37,10 +38,6 @@ _ROLE_MAP = {
 # (list field, role key, content key) per schema
 _FIELDS = {"sharegpt": ("conversations", "from", "value"),
            "ultrachat": ("messages", "role", "content")}
-
-
-class DataError(Exception):
-    """A whole input (file, dataset, split) is unusable; the message is one line."""
 
 
 def _one_line(text: object, limit: int = 300) -> str:

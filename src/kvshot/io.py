@@ -10,6 +10,10 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 
+class DataError(Exception):
+    """A whole input (file, dataset, split) is unusable; the message is one line."""
+
+
 def _finite(obj):
     """NaN/inf are not JSON: an undefined metric (e.g. alpha of a step no round reached) is null."""
     if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
