@@ -34,8 +34,10 @@ except ConfigError as exc:
     raise WorkflowError(f"invalid config: {exc}") from None
 
 
-# The package runs from this checkout in every job, local, conda or SLURM alike.
-shell.prefix(f"export PYTHONPATH={SRC}:$PYTHONPATH; ")
+# The package runs from this checkout in every job, local, conda or SLURM alike; Snakemake's
+# own strict prefix stays first (a failing command in a pipe or an unset variable fails the job).
+# (the prefix is formatted like a shell command: its literal braces are doubled once more)
+shell.prefix(f"set -euo pipefail; export PYTHONPATH={SRC}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; ")
 
 
 def stage_params(*sections):
