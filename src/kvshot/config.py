@@ -162,6 +162,37 @@ def read_config(specs: list[str], sections: tuple[str, ...] | None = None) -> di
             raise ConfigError(f"{spec}: <top level>: expected a mapping")
         cfg = merge(cfg, part)
     validate_config(cfg, specs, sections)
+    return fill_defaults(cfg)
+
+
+def fill_defaults(cfg: dict, schema: dict | None = None) -> dict:
+    """Set every optional field the config leaves out to the schema's `default` (in place;
+    returns cfg): the schema, not the code, states what an omitted field means. Only objects the
+    config has are filled (a missing optional section stays missing), array items included."""
+    schema = load_schema() if schema is None else schema
+    defs = schema.get("$defs", {})
+
+    def resolve(node: dict) -> dict:
+        ref = node.get("$ref", "")
+        return defs[ref.rsplit("/", 1)[-1]] if ref.startswith("#/$defs/") else node
+
+    def fill(value, node: dict) -> None:
+        node = resolve(node)
+        if node.get("x-fill-defaults") is False:   # overrides: an omitted field falls back elsewhere
+            return
+        if isinstance(value, list) and isinstance(node.get("items"), dict):
+            for item in value:
+                fill(item, node["items"])
+        if not isinstance(value, dict):
+            return
+        for key, sub in (node.get("properties") or {}).items():
+            sub = resolve(sub)
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                fill(value[key], sub)
+
+    fill(cfg, schema)
     return cfg
 
 

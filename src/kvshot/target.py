@@ -145,9 +145,9 @@ def run_target_stage(cfg: dict, rt: Runtime, train_jsonl: str, eval_jsonl: str,
     tokenizer = load_tokenizer(tokenizer_dir)
     sep_id = tokenizer.pad_token_id
     eval_convs = read_jsonl(eval_jsonl)
-    block = pcfg.get("block_size", 256)
+    block = pcfg["block_size"]
     eval_blocks = pack_blocks(tokenized(eval_convs, tokenizer, cfg["data"]["max_len"]), sep_id, block)
-    eval_blocks = eval_blocks[: pcfg.get("eval_blocks", 32)]
+    eval_blocks = eval_blocks[: pcfg["eval_blocks"]]
     torch.manual_seed(rt.seed)
     metrics: dict = {"source": tcfg["source"], "device": rt.device, "dtype": rt.dtype, "threads": rt.threads}
 
@@ -172,12 +172,12 @@ def run_target_stage(cfg: dict, rt: Runtime, train_jsonl: str, eval_jsonl: str,
                     parameters=sum(p.numel() for p in model.parameters()))
         write_json(Path(tmp) / META_FILE, meta)
         write_manifest(tmp)   # weights (pretrained here), tokenizer and meta: checked when loaded
-        loss = heldout_loss(model, eval_blocks, pcfg.get("batch_size", 4), rt.device)
+        loss = heldout_loss(model, eval_blocks, pcfg["batch_size"], rt.device)
         metrics.update(meta)
         metrics.update(heldout_loss=loss, heldout_ppl=math.exp(min(loss, 50.0)),
                        heldout_tokens=int(eval_blocks.numel()),
-                       generations=sample_generations(model, tokenizer, eval_convs, pcfg.get("generations", 3),
-                                                      pcfg.get("generation_tokens", 32), rt.device))
+                       generations=sample_generations(model, tokenizer, eval_convs, pcfg["generations"],
+                                                      pcfg["generation_tokens"], rt.device))
     write_json(metrics_path, metrics)
     return metrics
 
@@ -190,7 +190,7 @@ def pretrain(model: Qwen3ForCausalLM, blocks: Tensor, pcfg: dict, rt: Runtime) -
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": pcfg["weight_decay"]},
                              {"params": no_decay, "weight_decay": 0.0}], lr=pcfg["lr"], betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_at(s, steps, pcfg["warmup_steps"], pcfg.get("min_lr_ratio", 0.1)))
+        opt, lambda s: lr_at(s, steps, pcfg["warmup_steps"], pcfg["min_lr_ratio"]))
     gen = torch.Generator().manual_seed(rt.seed)
     order = torch.randperm(len(blocks), generator=gen)
     cursor, epoch, losses = 0, 0, []

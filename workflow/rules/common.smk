@@ -6,7 +6,7 @@ from pathlib import Path
 SRC = str(Path(workflow.basedir) / "src")
 sys.path.insert(0, SRC)
 
-from kvshot.config import ConfigError, stage_config, validate_config  # noqa: E402
+from kvshot.config import ConfigError, fill_defaults, stage_config, validate_config  # noqa: E402
 
 SPLITS = ["train", "eval"]
 VARIANTS = [v["name"] for v in config["drafters"]["variants"]]
@@ -32,6 +32,7 @@ try:
     validate_config(config, _config_files())
 except ConfigError as exc:
     raise WorkflowError(f"invalid config: {exc}") from None
+fill_defaults(config)   # what an omitted optional field means: the schema's `default`
 
 
 # The package runs from this checkout in every job, local, conda or SLURM alike; Snakemake's
