@@ -104,3 +104,32 @@ def test_inline_json_config():
     assert cfg["data"]["train_samples"] == 1000
     with pytest.raises(ConfigError, match=r"^<inline config>: data.train_samples"):
         read_config([DEFAULT, json.dumps({"data": {"train_samples": "7"}})])
+
+
+def test_schema_states_defaults_and_describes_every_field():
+    """What an omitted field means is the schema's `default` (filled on read), never a variant's
+    override; and every field of the schema says what it is."""
+    from kvshot.config import fill_defaults, load_schema
+
+    schema = load_schema()
+    missing = []
+
+    def walk(node: dict, path: str) -> None:
+        node = schema["$defs"][node["$ref"].rsplit("/", 1)[-1]] if "$ref" in node else node
+        for key, sub in (node.get("properties") or {}).items():
+            if "description" not in sub and "$ref" not in sub:
+                missing.append(path + key)
+            walk(sub, f"{path}{key}.")
+            if isinstance(sub.get("items"), dict):
+                walk(sub["items"], f"{path}{key}.")
+
+    walk(schema, "")
+    assert not missing, missing
+    cfg = {"target": {"pretrain": {"max_steps": 3}}, "eval": {"natural": {"anchors": 5}},
+           "drafters": {"train": {"lr": 1.0}, "variants": [{"name": "a", "paradigm": "kv", "layers": 1, "train": {"lr": 2.0}}]}}
+    fill_defaults(cfg, schema)
+    assert cfg["target"]["pretrain"]["block_size"] == 256 and cfg["target"]["pretrain"]["max_steps"] == 3
+    assert cfg["eval"]["natural"] == {"anchors": 5, "max_prefix_len": 512, "rollout_tokens": 8, "batch_size": 16}
+    assert cfg["drafters"]["train"]["eval_every"] == 0 and cfg["drafters"]["attention"] == "auto"
+    assert cfg["drafters"]["variants"][0]["train"] == {"lr": 2.0}   # overrides: omitted fields fall back to drafters.train
+    assert "features" not in cfg                                       # a missing section stays missing
