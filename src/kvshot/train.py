@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .blockwise import any_unroll, block_attention_diagnostics, block_key_share, is_block, objective, training_forward
 from .config import ConfigError, Runtime, drafter_autocast
 from .diagnostics import attention_diagnostics
 from .drafters import Drafter, DrafterConfig, build_drafter
@@ -27,8 +28,7 @@ from .integrity import content_digest, folder_digest
 from .io import read_json, write_json
 from .progress import Progress
 from .target import load_target, lr_at, rope_theta, target_queries
-from .ttt import (TTTUnroll, Unrolled, label_positions, query_cosine, scored_tokens, step_losses, target_labels, unroll,
-                  weighted_loss)
+from .ttt import Unrolled, label_positions, query_cosine, scored_tokens, step_losses, target_labels, weighted_loss
 
 
 def launcher_args(num_processes: int) -> list[str]:
@@ -41,11 +41,13 @@ def launcher_args(num_processes: int) -> list[str]:
 def variant_config(cfg: dict, name: str) -> dict:
     """A variant's settings: the drafter defaults, its own entry, and its train overrides."""
     dcfg = cfg["drafters"]
-    entries = {v["name"]: v for v in dcfg["variants"]}
+    entries = {v["name"]: v for v in dcfg["variants"] + (cfg.get("blockwise") or {}).get("variants", [])}
     if name not in entries:
         raise ConfigError(f"config: drafters.variants: no variant named {name!r} (have {sorted(entries)})")
     v = copy.deepcopy(entries[name])
     v["train"] = {**dcfg["train"], **v.get("train", {})}
+    if v["paradigm"] == "block":   # default: K mask slots after x_{t+1}, as far as the K-step chain drafts
+        v.setdefault("block_size", dcfg.get("block_size") or dcfg["ttt_steps"] + 1)
     if v["paradigm"] != "standalone":   # the standalone LM starts from the target's layers and head anyway
         v.setdefault("head_init", dcfg.get("head_init", "random"))
     return v
@@ -68,7 +70,7 @@ def build_variant(v: dict, target_cfg, embed: torch.Tensor, d2t: torch.Tensor, t
     given the `target` model, starts from its first layers (then TTT distills it)."""
     n_target = target_cfg.num_hidden_layers
     depth, paradigm = v["layers"], v["paradigm"]
-    reads_kv = paradigm in ("kv", "hybrid")
+    reads_kv = paradigm in ("kv", "hybrid") or (paradigm == "block" and v.get("context", "kv") == "kv")
     kv_layers = v.get("kv_layers") or list(range(n_target - depth, n_target))  # the top target layers
     if reads_kv and len(kv_layers) != depth:
         raise ConfigError(f"config: drafters.variants.{v['name']}.kv_layers: {len(kv_layers)} layers for depth {depth}")
@@ -81,7 +83,8 @@ def build_variant(v: dict, target_cfg, embed: torch.Tensor, d2t: torch.Tensor, t
         vocab_size=target_cfg.vocab_size, draft_vocab_size=len(d2t), rope_theta=rope_theta(target_cfg),
         rms_norm_eps=target_cfg.rms_norm_eps, kv_layers=list(kv_layers) if reads_kv else [],
         gate_shape=v.get("gate_shape", "scalar"), gate_init=float(v.get("gate_init", 0.5)),
-        qk_norm=bool(v.get("qk_norm", True)))
+        qk_norm=bool(v.get("qk_norm", True)), block_size=int(v.get("block_size") or 0),
+        block_context=v.get("context", "kv"))
     model = build_drafter(dc)
     model.set_vocab(embed, d2t)
     if paradigm == "standalone" and target is not None:
@@ -167,7 +170,7 @@ def evaluate(model: Drafter, source: FeatureSource, head_w: torch.Tensor, steps:
         batch = {k: v.to(device) for k, v in batch.items()}
         labels = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
         with drafter_autocast(device.type, dtype):
-            un = unroll(model, batch, steps, keep_queries=bool(kv) and target is not None)
+            un = any_unroll(model, batch, steps, keep_queries=bool(kv) and target is not None)   # a block: block_unroll
             losses, counts, correct, acc_n = step_losses(model, un, batch, labels)
         for k in range(steps):
             sums["loss"][k] += float(losses[k]) * int(counts[k])
@@ -231,6 +234,8 @@ def _fingerprint(v: dict, cfg: dict, rt: Runtime, train_dir: str, eval_dir: str,
            "drafters": {k: cfg["drafters"][k] for k in ("ttt_steps", "step_decay", "draft_vocab_size")},
            "train": content_digest(Path(train_dir) / "index.json"), "eval": content_digest(Path(eval_dir) / "index.json"),
            "target": folder_digest(target_dir)}
+    if v["paradigm"] == "block":   # the block objective's position weights
+        key["block_position_decay"] = cfg["drafters"].get("block_position_decay")
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -323,7 +328,6 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     tc, dcfg = v["train"], cfg["drafters"]
     use_attention(dcfg.get("attention", "auto"))
     deadline = stop_deadline(runtime_minutes, tc.get("stop_margin_minutes", 0))
-    steps_k, decay = dcfg["ttt_steps"], dcfg["step_decay"]
     accel = Accelerator(cpu=rt.device == "cpu")
     world, rank = accel.num_processes, accel.process_index
     torch.manual_seed(rt.seed)
@@ -338,6 +342,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     n = min(len(train_src), tc.get("train_samples") or len(train_src))   # the data-scaling knob
     d2t = draft_vocab(train_src, dcfg["draft_vocab_size"], target.config.vocab_size, n)
     model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), d2t, target).to(rt.device)
+    steps_k, decay = objective(model, dcfg)   # TTT: K steps, step_decay; a block: its positions, block_position_decay
     missing = sorted(set(model.cfg.kv_layers) - set(train_src.spec.kv_layers))
     if missing:
         raise ConfigError(f"config: features.kv_layers: variant {name} reads target layers {missing}, "
@@ -370,7 +375,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
         progress["resumed_from"] = saved_step = progress["step"]
         progress.pop("stopped_by", None)
         print(f"resuming {name} from step {progress['step']} ({ckpt})", flush=True)
-    ddp = TTTUnroll(model) if world == 1 else torch.nn.parallel.DistributedDataParallel(TTTUnroll(model))
+    ddp = training_forward(model) if world == 1 else torch.nn.parallel.DistributedDataParallel(training_forward(model))
     progress.setdefault("heldout", [])
     live = JsonLines(ckpt.parent / "train_log.jsonl",
                      sorted(progress["log"] + progress["heldout"], key=lambda r: r["step"]), enabled=rank == 0)
@@ -422,9 +427,11 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
             rec = {"step": step, "lr": sched.get_last_lr()[0], "loss": float(loss.detach()) / world,
                    "loss_k": [float(l.detach()) / world for l in losses],
                    "acc_k": [int(c) / max(int(a), 1) for c, a in zip(correct, acc_n)],
-                   "grad_norm": norms, "kv_key_share": kv_key_share(un.valid, un.anchors) if model.kv_attentions() else None}
+                   "grad_norm": norms, "kv_key_share": ((block_key_share(un.valid, un.anchors, model.cfg.block_size)
+                                                         if is_block(model) else kv_key_share(un.valid, un.anchors))
+                                                        if model.kv_attentions() else None)}
             with rt.autocast():   # measured own-key attention mass and hybrid gate share (`diagnostics`)
-                rec.update(attention_diagnostics(model, batch, steps_k))
+                rec.update((block_attention_diagnostics if is_block(model) else attention_diagnostics)(model, batch, steps_k))
             if hasattr(model, "gate"):
                 g = model.gate().detach()
                 rec["gate"] = {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max())}

@@ -1,5 +1,6 @@
-"""Drafter paradigms: one skeleton, three ways to read the target's context, and a
-standalone draft model that reads none of it (the classic baseline). The registry below is
+"""Drafter paradigms: one skeleton, three ways to read the target's context, a block-wise
+drafter (one forward per block, the paper's proposed remedy), and a standalone draft model
+that reads none of it (the classic baseline). The registry below is
 the one place that names them: building and loading a drafter go through it."""
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from ..integrity import verify_folder
+from .block import BlockDrafter
 from .hidden import HiddenDrafter
 from .hybrid import HybridDrafter
 from .kv import KVDrafter
@@ -15,7 +17,7 @@ from .skeleton import Drafter, DrafterConfig
 from .standalone import StandaloneDrafter
 
 PARADIGMS = {"hidden": HiddenDrafter, "kv": KVDrafter, "hybrid": HybridDrafter,
-             "standalone": StandaloneDrafter}
+             "standalone": StandaloneDrafter, "block": BlockDrafter}
 
 
 def build_drafter(cfg: DrafterConfig) -> Drafter:

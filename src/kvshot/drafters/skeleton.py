@@ -47,6 +47,8 @@ class DrafterConfig:
     gate_shape: str = "scalar"         # hybrid: scalar | channel
     gate_init: float = 0.5             # hybrid: initial g = sigmoid(gate_logit)
     qk_norm: bool = True               # Qwen3's q/k RMSNorm; False: a Llama-style layer (EAGLE-3's)
+    block_size: int = 0                # block paradigm: query slots per block (x_{t+1}, then block_size - 1 masks)
+    block_context: str = "kv"          # block paradigm: kv (the target's KV cache) | hidden (fused aux hidden states)
 
     def save(self, path: Path) -> None:
         # HF-style self-description first (docs/drafter_format.md), then the fields

@@ -1,0 +1,317 @@
+"""The block drafter and its one-call training objective: the packed forward over every anchor
+equals a plainly written per-anchor reference (logits, loss, gradients), no future leakage,
+bidirectional attention gives every slot's W_K/W_V key gradient from every position, the
+kv_wk_wv gradient group against a KV-only chain drafter's on the same batch, and the trainer
+runs the objective (checkpoints, metrics) end to end."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from kvshot.blockwise import any_unroll, block_unroll, objective
+from kvshot.drafters.attention import use_attention
+from kvshot.train import grad_norms, param_groups
+from kvshot.ttt import (assistant_tokens, context, label_positions, shift, step_losses, target_labels, unroll,
+                        weighted_loss)
+
+from .conftest import build_test_drafter
+
+S = 5            # block slots: x_{t+1} and four masks
+P = S - 1        # positions predicted
+BLOCKS = {
+    "block-kv-d2": {"name": "bk2", "paradigm": "block", "context": "kv", "layers": 2, "block_size": S},
+    "block-hidden-d1": {"name": "bh1", "paradigm": "block", "context": "hidden", "layers": 1, "block_size": S},
+}
+
+
+def make(world, name: str, seed: int = 0):
+    return build_test_drafter(world, BLOCKS[name], seed)
+
+
+def two_sequences(src):
+    """Two sequences of different lengths (the shorter one padded): packing must keep them apart."""
+    batch = src.batch([0, 3])
+    n = min(48, batch["input_ids"].shape[1])
+    return {k: v[:, :n] for k, v in batch.items()}
+
+
+# ---------------------------------------------------------------- the plain reference
+
+def context_keys(model, ctx: dict, b: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer i's context keys and values [Hkv, T, D] for sequence b: the target's KV cache, or
+    the fused hidden states projected by the layer's own W_K/W_V at their positions."""
+    if model.cfg.block_context == "kv":
+        l = model.cfg.kv_layers[i]
+        return ctx[f"key_{l}"][b].transpose(0, 1), ctx[f"value_{l}"][b].transpose(0, 1)
+    x = model.context_norm(model.fc(ctx["aux_hidden"][b].flatten(-2)))[None]
+    layer = model.layers[i]
+    _, keys = layer.self_attn.project(layer.attn_norm(x), model.rotary(torch.arange(x.shape[1])[None]))
+    return keys.k[0], keys.v[0]
+
+
+def reference_block(model, ctx: dict, ids: torch.Tensor, valid: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """The block after anchor t of sequence b, written out: S query rows at t+1.., keys = the
+    valid context keys of positions <= t plus the block's own S keys, softmax, values. [S, H]."""
+    x_next = ids[b, t + 1] if t + 1 < ids.shape[1] else torch.tensor(0)
+    h = torch.cat([model.embed_tokens(x_next)[None], model.mask_embed])[None]          # [1, S, H]
+    rot = model.rotary((t + 1 + torch.arange(S))[None])
+    seen = valid[b, : t + 1]
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        q, own = attn.project(layer.attn_norm(h), rot)                                  # [1, H, S, D]
+        ck, cv = context_keys(model, ctx, b, i)
+        keys = torch.cat([ck[:, : t + 1][:, seen], own.k[0]], dim=1)                   # [Hkv, n + S, D]
+        values = torch.cat([cv[:, : t + 1][:, seen], own.v[0]], dim=1)
+        group = attn.n_heads // attn.n_kv
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        probs = torch.softmax(q[0] @ keys.transpose(-1, -2) / math.sqrt(attn.head_dim), dim=-1)
+        out = (probs @ values).transpose(0, 1).reshape(1, S, -1)
+        h = layer.mlp_block(h + attn.o_proj(out))
+    return h[0]
+
+
+def reference_loss(model, batch: dict, labels, decay: float) -> tuple[dict, torch.Tensor]:
+    """Loop over sequences and anchors: each labelled anchor's block, position k scored by the
+    soft cross-entropy to the target's distribution for x_{t+k+2} where that token is an
+    assistant token and the target's greedy token is in the draft vocabulary; per position the
+    mean over those, weighted decay ** k. Returns ({(b, t): logits [P, N]}, the loss)."""
+    ctx = context(batch, torch.float32)
+    ids, valid = batch["input_ids"].long(), batch["attention_mask"].bool()
+    scored = assistant_tokens(batch)
+    sums, counts, logits_of = [0.0] * P, [0] * P, {}
+    for b in range(ids.shape[0]):
+        for t in range(ids.shape[1]):
+            ks = [k for k in range(P) if t + k + 2 < ids.shape[1] and scored[b, t + k + 2]]
+            if not ks:
+                continue
+            logits = model.logits(reference_block(model, ctx, ids, valid, b, t)[1:])   # slot k+1: position k
+            logits_of[(b, t)] = logits
+            for k in ks:
+                if not model.t2d[labels.argmax[b, t + k + 1]]:
+                    continue
+                p = labels.probs[b, t + k + 1]
+                sums[k] = sums[k] - (p * torch.log_softmax(logits[k], -1)).sum()
+                counts[k] += 1
+    return logits_of, sum(decay ** k * s / max(c, 1) for k, (s, c) in enumerate(zip(sums, counts)))
+
+
+# ---------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+@pytest.mark.parametrize("backend", ["flash_cpu", "reference"])
+def test_one_call_forward_equals_the_per_anchor_reference(drafter_world, name, backend):
+    """Logits, loss and every parameter's gradient of the packed one-call objective equal the
+    per-anchor loop's, with uniform (1.0) and decaying (0.8) position weights."""
+    src, target, _ = drafter_world
+    model = make(drafter_world, name).train()
+    batch = two_sequences(src)
+    labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t,
+                           positions=label_positions(batch))
+    use_attention(backend)
+    try:
+        for decay in (1.0, 0.8):
+            model.zero_grad(set_to_none=True)
+            un = block_unroll(model, batch)
+            fast = weighted_loss(step_losses(model, un, batch, labels)[0], decay)
+            fast.backward()
+            fast_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            model.zero_grad(set_to_none=True)
+            ref_logits, ref = reference_loss(model, batch, labels, decay)
+            ref.backward()
+            torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+            width = batch["input_ids"].shape[1]
+            compared = 0
+            for k in range(P):
+                for row, logits in zip(un.rows[k].tolist(), un.logits[k][0]):
+                    torch.testing.assert_close(logits, ref_logits[divmod(row, width)][k], atol=1e-5, rtol=1e-5)
+                    compared += 1
+            assert compared > 40
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    assert n in fast_grads and fast_grads[n].abs().sum() > 0, f"{name}: no gradient reaches {n}"
+                    torch.testing.assert_close(fast_grads[n], p.grad, atol=1e-5, rtol=1e-4, msg=f"{name} {n}")
+    finally:
+        use_attention("auto")
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_no_future_leakage(drafter_world, name):
+    """Position k at anchor t sees target context <= t and the token x_{t+1} only."""
+    model = make(drafter_world, name)
+    batch = drafter_world[0].batch([1, 0])
+    base = block_unroll(model, batch, skip_unlabelled=False)
+    width = batch["input_ids"].shape[1]
+    everywhere = set.intersection(*(set(r.tolist()) for r in base.rows))
+    scored = sorted(r for r in everywhere if r < width - S)   # sequence 0's anchors scored at every position
+    assert len(scored) > 4
+    for t in (scored[0], scored[len(scored) // 2]):
+        b2 = copy.deepcopy(batch)
+        b2["input_ids"][:, t + 2:] = (b2["input_ids"][:, t + 2:] + 7) % 100
+        for key, v in b2.items():
+            if key.startswith(("aux_hidden", "key_", "value_", "last_hidden")):
+                v[:, t + 1:] = torch.randn_like(v[:, t + 1:])
+        after = block_unroll(model, b2, skip_unlabelled=False)
+        for k in range(P):
+            at = (base.rows[k] == t).nonzero().view(-1)   # sequence 0's anchor t
+            assert len(at) == 1
+            torch.testing.assert_close(after.logits[k][0, at], base.logits[k][0, at], atol=1e-5, rtol=1e-5)
+        b3 = copy.deepcopy(batch)
+        b3["input_ids"][:, t + 1] = (b3["input_ids"][:, t + 1] + 7) % 100
+        at = (base.rows[P - 1] == t).nonzero().view(-1)
+        assert not torch.allclose(block_unroll(model, b3, skip_unlabelled=False).logits[P - 1][0, at],
+                                  base.logits[P - 1][0, at])
+
+
+def slot_key_gradients(model, batch, labels, position: int) -> torch.Tensor:
+    """|d loss_position / d key| per block slot, summed over rows, heads and layers: [S]."""
+    grads = []
+    for layer in model.layers:
+        attn = layer.self_attn
+        original = attn.project
+
+        def project(x, rot, _orig=original):
+            q, keys = _orig(x, rot)
+            keys.k.retain_grad()
+            grads.append(keys.k)
+            return q, keys
+        attn.project = project
+    try:
+        un = block_unroll(model, batch)
+        losses = step_losses(model, un, batch, labels)[0]
+        losses[position].backward()
+    finally:
+        for layer in model.layers:
+            del layer.self_attn.project
+    total = torch.zeros(S)
+    for k in grads:   # [1, Hkv, R * S, D]: rows (anchor, slot)
+        total += k.grad.abs().view(k.shape[1], -1, S, k.shape[-1]).sum((0, 1, 3))
+    return total
+
+
+def test_every_slot_key_gets_gradient_from_every_position(drafter_world):
+    """Bidirectional attention: even the first position's loss reaches the keys W_K projects
+    for every slot, the last mask slot's included (a causal chain's step 0 reaches only its own)."""
+    src, target, _ = drafter_world
+    model = make(drafter_world, "block-kv-d2").train()
+    batch = two_sequences(src)
+    labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t)
+    for position in (0, P - 1):
+        model.zero_grad(set_to_none=True)
+        per_slot = slot_key_gradients(model, batch, labels, position)
+        assert bool((per_slot > 0).all()), f"position {position}: slot key gradients {per_slot.tolist()}"
+
+
+def kv_gradient(model, batch, labels, steps: int, forward) -> tuple[float, float]:
+    """One backward of the model's objective on `batch`, through the trainer's gradient groups
+    (`train.param_groups`, `grad_norms`): (|grad kv_wk_wv| / |grad| over every group,
+    |grad kv_wk_wv| / |grad kv_query_out|, the ratio the sparse-gradient claim reads)."""
+    model.zero_grad(set_to_none=True)
+    losses = step_losses(model, forward(model, batch, steps), batch, labels)[0]
+    weighted_loss(losses, 1.0).backward()
+    norms = grad_norms(param_groups(model))
+    return (norms["kv_wk_wv"] / math.sqrt(sum(v * v for v in norms.values())),
+            norms["kv_wk_wv"] / norms["kv_query_out"])
+
+
+def test_wk_wv_gradient_against_the_kv_chain(drafter_world):
+    """On the same batch, from the same initial weights of the shared parts (three inits), the
+    block drafter's W_K/W_V carry more gradient against W_Q/W_O, and a larger share of the
+    whole, than a 2-layer KV-only chain drafter's under TTT. Both read the same target layers."""
+    src, target, _ = drafter_world
+    batch = src.batch([0, 1, 2])
+    head = target.lm_head.weight.detach()
+    ttt = lambda m, b, k: unroll(m, b, k, skip_unlabelled=True)   # noqa: E731  (the trainer's forward)
+    for seed in range(3):
+        chain = build_test_drafter(drafter_world, {"name": "k2", "paradigm": "kv", "layers": 2}, seed).train()
+        block = make(drafter_world, "block-kv-d2", seed).train()
+        block.load_state_dict(chain.state_dict(), strict=False)   # same layers, head and norms
+        assert block.cfg.kv_layers == chain.cfg.kv_layers
+        labels = target_labels(batch["last_hidden"], head, chain.d2t)
+        chain_share, chain_ratio = kv_gradient(chain, batch, labels, P, ttt)
+        block_share, block_ratio = kv_gradient(block, batch, labels, P, any_unroll)
+        print(f"seed {seed}: kv_wk_wv share block {block_share:.4f} chain {chain_share:.4f}; "
+              f"wk_wv/query_out block {block_ratio:.4f} chain {chain_ratio:.4f}")
+        assert block_ratio > chain_ratio and block_share > chain_share, (seed, block_ratio, chain_ratio)
+
+
+def test_objective_and_default_block_size(tiny):
+    """The trainer's objective: a block's positions and block_position_decay (default uniform);
+    the default block drafts as far as the K-step chain (S = K + 1)."""
+    from kvshot.train import variant_config
+
+    cfg = copy.deepcopy(tiny["cfg"])
+    cfg["blockwise"] = {"variants": [{"name": "bk", "paradigm": "block", "context": "kv", "layers": 1}]}
+    v = variant_config(cfg, "bk")
+    assert v["block_size"] == cfg["drafters"]["ttt_steps"] + 1
+
+    class Fake:
+        block_wise, positions = True, 7
+    assert objective(Fake(), cfg["drafters"]) == (7, 1.0)
+    assert objective(Fake(), {**cfg["drafters"], "block_position_decay": 0.8}) == (7, 0.8)
+    assert objective(object(), cfg["drafters"]) == (cfg["drafters"]["ttt_steps"], cfg["drafters"]["step_decay"])
+
+
+# ---------------------------------------------------------------- the trainer
+
+def block_cfg(tiny, **train) -> dict:
+    cfg = copy.deepcopy(tiny["cfg"])
+    cfg["blockwise"] = {"variants": [{"name": "bk2", "paradigm": "block", "context": "kv", "layers": 2},
+                                     {"name": "bh1", "paradigm": "block", "context": "hidden", "layers": 1}]}
+    cfg["drafters"]["train"].update({"max_steps": 6, "ckpt_every": 2, "batch_size": 2, "max_len": 48,
+                                     "eval_batches": 1, "eval_every": 3, "plateau": None, "log_every": 1,
+                                     "lr": 3e-3, **train})
+    return cfg
+
+
+@pytest.mark.parametrize("name", ["bk2", "bh1"])
+def test_trainer_runs_the_block_objective_and_resumes_bit_identically(tiny, tiny_features, tmp_path, monkeypatch,
+                                                                     name):
+    """The same trainer: a block variant trains on every block position (K = ttt_steps by
+    default), logs the gradient groups and its own-key diagnostics, keeps the held-out curve,
+    and a kill after the step-2 checkpoint resumes to the same weights."""
+    import json
+
+    from safetensors.torch import load_file
+
+    import kvshot.train as train_mod
+
+    cfg = block_cfg(tiny)
+    K = cfg["drafters"]["ttt_steps"]
+
+    def run(out):
+        return train_mod.train_variant(cfg, tiny["rt"], name, str(tiny_features["train"]), str(tiny_features["eval"]),
+                                       str(tiny["model"]), str(out))
+
+    metrics = run(tmp_path / "whole")
+    assert metrics["paradigm"] == "block" and metrics["steps"] == 6 and len(metrics["eval"]["loss"]) == K
+    log = json.loads((tmp_path / "whole/train_log.json").read_text())
+    assert len(log[0]["loss_k"]) == K and len(log[0]["acc_k"]) == K
+    if name == "bk2":
+        assert {"kv_wk_wv", "kv_query_out", "lm_head", "body"} <= set(log[-1]["grad_norm"])
+        assert 0 < log[-1]["kv_key_share"] < 1 and len(log[-1]["kv_own_key_mass_k"]) == K
+        assert 0 < log[-1]["kv_own_key_mass"] < 1
+    else:   # reads no KV: the fused hidden context is its `fusion` group
+        assert "fusion" in log[-1]["grad_norm"] and log[-1]["kv_key_share"] is None
+    assert [p["step"] for p in metrics["heldout_curve"]] == [3, 6]
+    config = json.loads((tmp_path / "whole/config.json").read_text())
+    assert config["block_size"] == K + 1 and config["block_context"] == ("kv" if name == "bk2" else "hidden")
+
+    calls = {"n": 0}
+    real = train_mod.step_losses
+
+    def dying(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 4:   # step 3: the checkpoint of step 2 exists, step 3 is lost
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train_mod, "step_losses", dying)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "resumed")
+    monkeypatch.setattr(train_mod, "step_losses", real)
+    assert run(tmp_path / "resumed")["resumed_from"] == 2
+    a, b = load_file(str(tmp_path / "whole/model.safetensors")), load_file(str(tmp_path / "resumed/model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
