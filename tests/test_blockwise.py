@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from kvshot.blockwise import any_unroll, block_unroll, objective
+from kvshot.blockwise import block_unroll, objective
 from kvshot.drafters.attention import use_attention
 from kvshot.train import grad_norms, param_groups
 from kvshot.ttt import (assistant_tokens, context, label_positions, shift, step_losses, target_labels, unroll,
@@ -231,7 +231,7 @@ def test_wk_wv_gradient_against_the_kv_chain(drafter_world):
         assert block.cfg.kv_layers == chain.cfg.kv_layers
         labels = target_labels(batch["last_hidden"], head, chain.d2t)
         chain_share, chain_ratio = kv_gradient(chain, batch, labels, P, ttt)
-        block_share, block_ratio = kv_gradient(block, batch, labels, P, any_unroll)
+        block_share, block_ratio = kv_gradient(block, batch, labels, P, block_unroll)   # the trainer's forward
         print(f"seed {seed}: kv_wk_wv share block {block_share:.4f} chain {chain_share:.4f}; "
               f"wk_wv/query_out block {block_ratio:.4f} chain {chain_ratio:.4f}")
         assert block_ratio > chain_ratio and block_share > chain_share, (seed, block_ratio, chain_ratio)
@@ -315,3 +315,50 @@ def test_trainer_runs_the_block_objective_and_resumes_bit_identically(tiny, tiny
     assert run(tmp_path / "resumed")["resumed_from"] == 2
     a, b = load_file(str(tmp_path / "whole/model.safetensors")), load_file(str(tmp_path / "resumed/model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- step-wise evaluation
+
+def drafted_alone(model, target, ids: torch.Tensor, t: int, aux_layers) -> list[int]:
+    """The block after anchor t as a decoder drafts it: the target's context of ids[:t+1] only,
+    one anchor row, one `draft_block` call; block position k's greedy token (target ids)."""
+    from kvshot.target import target_forward
+
+    prefix = ids[None, : t + 1]
+    out = target_forward(target, prefix, torch.ones_like(prefix), aux_layers, tuple(model.cfg.kv_layers))
+    ctx = {"aux_hidden": out.aux_hidden}
+    for l in model.cfg.kv_layers:
+        ctx[f"key_{l}"], ctx[f"value_{l}"] = out.keys[l], out.values[l]
+    state = model.begin(ctx, torch.arange(t + 1)[None])
+    state.select_rows(slice(-1, None))
+    h = model.draft_block(state, ids[None, t + 1: t + 2], torch.tensor([[t + 1]]))
+    return model.d2t[model.logits(h[0, 0, 1:]).argmax(-1)].tolist()
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_stepwise_scores_block_position_k_as_chain_step_k(drafter_world, name):
+    """chain_correct on a block drafter: every anchor's drafted tokens are its block's greedy
+    tokens as a decoder drafts them alone, compared with the target's greedy tokens; chain
+    acceptance stops at the first wrong position, and the summary has K = P steps."""
+    from kvshot.metrics import chain_counts
+    from kvshot.stepwise import chain_correct, stepwise
+
+    src, target, _ = drafter_world
+    model = make(drafter_world, name)
+    aux = tuple(src.spec.aux_layers)
+    seqs = [src.tokens(i)["input_ids"].long()[:40] for i in (0, 1)]
+    items = [{"prompt": s[:16].tolist(), "continuation": s[16:].tolist()} for s in seqs]
+    results = list(chain_correct(model, target, items, aux, P, batch_size=2, device="cpu"))
+    checked = 0
+    for seq, (rows, chain_ok, forced_ok) in zip(seqs, results):
+        assert torch.equal(chain_ok, forced_ok)   # a block never reads its drafts
+        greedy = target(seq[None]).logits[0].argmax(-1)
+        for t, ok in zip(rows.tolist()[::5], chain_ok[::5]):
+            want = greedy[t + 1: t + 1 + P].tolist()
+            assert ok.tolist() == [a == b for a, b in zip(drafted_alone(model, target, seq, t, aux), want)]
+            checked += 1
+    assert checked >= 4
+    result = stepwise(model, target, items, aux, P, 2, "cpu", bootstrap_samples=20)
+    rounds, accepted = chain_counts(torch.cat([r[1] for r in results]))
+    assert len(result["alpha"]) == P and result["rounds"] == [int(x) for x in rounds.tolist()]
+    assert result["accepted"] == [int(x) for x in accepted.tolist()]

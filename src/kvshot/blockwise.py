@@ -30,8 +30,10 @@ def block_unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int | None =
     """The block after every anchor of every sequence in one forward, as an `Unrolled` whose
     step k is block position k. Anchors (flat b * T + t, ascending): `anchor_rows`, else those
     with a label at some position (skip_unlabelled), else all; packed into one row list
-    (`StepState.pack`). Logits only where position k has a label, [1, R_k, N] for the rows
-    `rows[k]`, as `ttt.one_pass` gives them. steps: positions scored (default: all of them)."""
+    (`StepState.pack`). skip_unlabelled (training): logits only where position k has a label,
+    [1, R_k, N] for the rows `rows[k]`, as `ttt.one_pass` gives them; otherwise (evaluation)
+    every anchor's logits at every position, [1, R, N], with `valid` saying which have a
+    label. steps: positions scored (default: all of them)."""
     ids = batch["input_ids"].long()
     b, t = ids.shape
     steps = drafter.positions if steps is None else steps
@@ -46,12 +48,14 @@ def block_unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int | None =
     state.pack(rows)
     row_anchors = state.anchors                                               # [1, R]: t of each row
     h = drafter.draft_block(state, at_rows(ids, rows, 1), row_anchors + 1)[0]  # [R, S, H]
-    keep = [at_rows(loss_mask, rows, k + 2, False)[0].nonzero().view(-1) for k in range(steps)]
+    valid = [at_rows(loss_mask, rows, k + 2, False)[0] for k in range(steps)]
+    everyone = torch.arange(len(rows), device=ids.device)
+    keep = [v.nonzero().view(-1) if skip_unlabelled else everyone for v in valid]
     logits = drafter.logits(torch.cat([h[r, k + 1] for k, r in enumerate(keep)])[None])
     out = Unrolled([], [], [])
     for k, part in enumerate(logits.split([len(r) for r in keep], dim=1)):
         out.logits.append(part)
-        out.valid.append(torch.ones_like(keep[k], dtype=torch.bool)[None])
+        out.valid.append(valid[k][keep[k]][None])
         out.rows.append(rows[keep[k]])
         out.anchors.append(row_anchors[:, keep[k]])
     return out
@@ -61,8 +65,8 @@ def any_unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_quer
                own_tokens: bool = False, skip_unlabelled: bool = False, anchor_rows: Tensor | None = None) -> Unrolled:
     """`ttt.unroll`, or a block drafter's `block_unroll` (its drafts never feed back, so drafting
     on its own tokens is the teacher-forced block; it keeps no queries)."""
-    if is_block(drafter):
-        return block_unroll(drafter, batch, steps, anchor_rows)
+    if is_block(drafter):   # scoring rows only where `unroll` would (training's skip_unlabelled)
+        return block_unroll(drafter, batch, steps, anchor_rows, skip_unlabelled and not (own_tokens or keep_queries))
     return unroll(drafter, batch, steps, keep_queries, own_tokens, skip_unlabelled, anchor_rows)
 
 

@@ -26,8 +26,8 @@ from .drafters import Drafter
 from .features import pad_batch
 from .io import read_json, write_json
 from .metrics import DEFAULT_MIN_ROUNDS, chain_counts, chain_summary, jeffreys_interval
+from .blockwise import any_unroll, is_block
 from .target import target_forward
-from .ttt import unroll
 from .progress import progress
 
 
@@ -213,9 +213,10 @@ def chain_correct(drafter: Drafter, target, items: list[dict], aux_layers: tuple
                 yield from ((r, torch.zeros(0, steps, dtype=torch.bool), torch.zeros(0, steps, dtype=torch.bool))
                             for r in rows_of)
                 continue
-        with drafter_autocast(device, dtype):
-            chain = unroll(drafter, feats, steps, own_tokens=True, anchor_rows=only)
-            forced = unroll(drafter, feats, steps, anchor_rows=only)
+        with drafter_autocast(device, dtype):   # a block drafter: block position k is step k (`blockwise`)
+            chain = any_unroll(drafter, feats, steps, own_tokens=True, anchor_rows=only)
+            # a block never reads its own drafts: its chain is its teacher-forced block
+            forced = chain if is_block(drafter) else any_unroll(drafter, feats, steps, anchor_rows=only)
 
         def pick(out, k: int, b: int, at: Tensor) -> Tensor:
             """Step k's logits at anchors `at` of sequence b (packed: found among the drafted rows)."""
