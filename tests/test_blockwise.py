@@ -362,3 +362,92 @@ def test_stepwise_scores_block_position_k_as_chain_step_k(drafter_world, name):
     rounds, accepted = chain_counts(torch.cat([r[1] for r in results]))
     assert len(result["alpha"]) == P and result["rounds"] == [int(x) for x in rounds.tolist()]
     assert result["accepted"] == [int(x) for x in accepted.tolist()]
+
+
+# ---------------------------------------------------------------- speculative decoding
+
+PROMPTS = ((0, 12), (1, 20), (2, 30))   # (train sample, prompt tokens)
+
+
+def prompt_of(src, i: int, n: int) -> torch.Tensor:
+    return src.tokens(i)["input_ids"].long()[None, :n]
+
+
+@pytest.fixture(scope="module")
+def trained_blocks(drafter_world):
+    """Each block variant after a few block-objective steps on the target's own greedy
+    continuations of the test prompts (acceptance above zero, so that rounds accept drafts and
+    the cache handling is exercised)."""
+    from kvshot.features import pad_batch
+    from kvshot.target import target_forward
+
+    src, target, _ = drafter_world
+    samples = []
+    for i, n in PROMPTS:
+        x = prompt_of(src, i, n)
+        ids = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=32,
+                              eos_token_id=None, pad_token_id=0)
+        ctx = target_forward(target, ids, None, tuple(src.spec.aux_layers), tuple(src.spec.kv_layers))
+        item = {"input_ids": ids[0], "loss_mask": (torch.arange(ids.shape[1]) >= n).long(),
+                "aux_hidden": ctx.aux_hidden[0], "last_hidden": ctx.last_hidden[0]}
+        for l in src.spec.kv_layers:
+            item[f"key_{l}"], item[f"value_{l}"] = ctx.keys[l][0], ctx.values[l][0]
+        samples.append(item)
+    batch = pad_batch(samples)
+    out = {}
+    full_vocab = (src, target, torch.arange(target.config.vocab_size))   # the tiny target's greedy tokens are rare ones
+    for name in BLOCKS:
+        model = build_test_drafter(full_vocab, BLOCKS[name]).train()
+        labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for _ in range(20):
+            weighted_loss(step_losses(model, block_unroll(model, batch), batch, labels)[0], 1.0).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[name] = model.eval()
+    return out
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_block_decoding_is_lossless_one_forward_per_round(drafter_world, trained_blocks, name):
+    """Greedy speculative decoding with a block drafter (one draft_block per round, verified as
+    a chain) gives exactly target.generate(do_sample=False)'s tokens; every round drafts the
+    whole block; some drafts are accepted; trees are refused; sampling runs."""
+    from kvshot.decode import DraftSpec, speculative_generate
+
+    src, target, _ = drafter_world
+    model = trained_blocks[name]
+    aux = tuple(src.spec.aux_layers)
+    calls = {"n": 0}
+    real = model.draft_block
+
+    def counted(*a, **kw):
+        calls["n"] += 1
+        return real(*a, **kw)
+
+    model.draft_block = counted
+    try:
+        accepted = 0
+        for i, n_prompt in PROMPTS:
+            x = prompt_of(src, i, n_prompt)
+            want = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24,
+                                   eos_token_id=None, pad_token_id=0)[0, n_prompt:].tolist()
+            calls["n"] = 0
+            res = speculative_generate(target, model, x, 24, None, aux, DraftSpec(depth=P))
+            assert res.tokens == want, f"{name}: prompt {i} diverges"
+            assert calls["n"] == res.rounds and set(res.drafted) == {P}
+            accepted += sum(res.accepted)
+            # round 1 drafts from anchor n_prompt - 1 what the step-wise simulation drafts there, and
+            # accepts its drafts up to the first that differs from the target's greedy text
+            seq = torch.cat([x[0], torch.tensor(want)])
+            first = drafted_alone(model, target, seq, n_prompt - 1, aux)
+            agree = next((k for k, (a, b) in enumerate(zip(first, want[1:])) if a != b), P)
+            assert res.accepted[0] == agree
+        assert accepted > 0
+        with pytest.raises(ValueError, match="chains only"):
+            speculative_generate(target, model, x, 8, None, aux, DraftSpec(depth=P, topk=2))
+        sampled = speculative_generate(target, model, x, 12, None, aux, DraftSpec(depth=P), temperature=0.8,
+                                       generator=torch.Generator().manual_seed(0))
+        assert len(sampled.tokens) == 12
+    finally:
+        del model.draft_block

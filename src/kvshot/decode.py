@@ -148,6 +148,8 @@ def draft(drafter: Drafter, state: StepState, step0_ids: Tensor, anchors: Tensor
     by cumulative draft log-probability. Sampling: a chain of tokens sampled from q. A chain's
     one row stays itself (no `select_rows` copies), and every depth's nodes stay on the device
     until the end: no host sync per step."""
+    if getattr(drafter, "block_wise", False):   # a block drafter: one forward per round
+        return draft_block(drafter, state, step0_ids, anchors, spec, temperature, generator)
     sample = temperature > 0
     if sample and not spec.chain:
         raise ValueError("speculative sampling is implemented for chains only (DraftSpec.topk == 1)")
@@ -196,6 +198,34 @@ def draft(drafter: Drafter, state: StepState, step0_ids: Tensor, anchors: Tensor
     out = Draft(d2t[torch.cat(tokens)].tolist(), torch.cat(parents).tolist(), depths, torch.cat(scores).tolist(),
                 torch.stack(qs) if sample else None)
     return out if spec.total_tokens is None else _best_nodes(out, spec.total_tokens)
+
+
+@torch.no_grad()
+def draft_block(drafter: Drafter, state: StepState, step0_ids: Tensor, anchors: Tensor, spec: DraftSpec,
+                temperature: float = 0.0, generator: torch.Generator | None = None) -> Draft:
+    """A block drafter's round (`drafters.block`): one forward from the last new anchor t, whose
+    slot 0 reads x_{t+1} (the bonus token, step0_ids' last); block position k is depth k + 1,
+    verified as a chain. Greedy: each position's argmax. Sampling: each position's token drawn
+    from its own q_k, which speculative sampling verifies losslessly whatever q_k is."""
+    if not spec.chain:
+        raise ValueError("a block drafter drafts chains only (DraftSpec.topk == 1)")
+    if spec.depth > drafter.positions:
+        raise ValueError(f"draft depth {spec.depth} > the block's {drafter.positions} positions")
+    t = int(anchors[0, -1])
+    state.select_rows(slice(-1, None))
+    h = drafter.draft_block(state, step0_ids[:, -1:], torch.full((1, 1), t + 1, device=anchors.device))
+    logits = drafter.logits(h[0, 0, 1: spec.depth + 1]).float()                 # [depth, draft vocab]
+    q = None
+    if temperature > 0:
+        q = torch.softmax(logits / temperature, dim=-1)
+        tokens = torch.multinomial(q, 1, generator=generator).view(-1)
+        logp = q.gather(1, tokens[:, None]).squeeze(1).log()
+    else:
+        tokens = logits.argmax(-1)
+        logp = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    n = spec.depth
+    return Draft(drafter.d2t[tokens].tolist(), list(range(-1, n - 1)), list(range(1, n + 1)),
+                 logp.cumsum(0).tolist(), q)
 
 
 def _best_nodes(d: Draft, n: int) -> Draft:

@@ -114,6 +114,8 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: s
     items = cont["items"][: ecfg["prompts"]]
     n_new, eos = ecfg["max_new_tokens"], cont["eos_id"]
     modes = specs(cfg)
+    if getattr(drafters[0], "block_wise", False):   # a block drafter drafts chains only (one forward per round)
+        modes = {"chain": modes["chain"]}
     # what target.generate(do_sample=False) produced, cut to this stage's length
     reference = [it["continuation"][:n_new] for it in items]
     if any(len(it["continuation"]) < n_new and it["continuation"][-1:] != [eos] for it in items):
