@@ -102,13 +102,16 @@ def test_aux_rule_puts_the_high_tap_at_eagle3s_relative_depth():
 def test_training_table_and_time_cap_warning(tmp_path):
     from kvshot.report.claims import claims_markdown
     from kvshot.report.results import Variant
-    from kvshot.report.tables import time_capped, training_rows
+    from kvshot.report.tables import time_capped, training_rows, training_summary_rows
 
     seeds = [{"seed": 0, "steps": 300, "stopped_by": "plateau", "heldout_curve": curve(3.0, 2.5, 2.49)},
              {"seed": 1, "steps": 90, "stopped_by": "max_minutes", "heldout_curve": []}]
     v = Variant(name="kv-d2", paradigm="kv", layers=2, stepwise={}, train=seeds[0] | {"per_seed": seeds})
     rows = training_rows([v])
     assert [(r["seed"], r["stopped by"], r["held-out loss best"]) for r in rows] == [(0, "plateau", 2.49), (1, "max_minutes", None)]
+    summary = training_summary_rows([v])[0]
+    assert summary["seeds"] == 2 and summary["stopped by"] == "max_minutes x1, plateau x1"
+    assert summary["last interval change (mean)"] == f"{100 * (2.49 - 2.5) / 2.5:+.2f}%" and summary["interval (steps)"] == 10
     capped = time_capped([v], {"stopped_by": "max_minutes", "train_steps": 98})
     assert capped == ["target (98 steps)", "kv-d2 seed 1 (90 steps)"]
     assert "kv-d2 seed 1" in claims_markdown([], capped) and "Warning" not in claims_markdown([], [])

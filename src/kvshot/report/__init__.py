@@ -59,7 +59,7 @@ def update_readme(results: str, variants: list[str], readme: str, image: str) ->
     """Regenerate the README's results block (decay figure as PNG, step-wise table, claims)
     from the result files, between the two marker comments."""
     from .figures import decay
-    from .tables import _markdown, e2e_rows, stepwise_rows, training_rows
+    from .tables import _markdown, e2e_rows, stepwise_rows, training_summary_rows
 
     loaded = load_variants(results, variants)
     decay(loaded, image)
@@ -70,9 +70,10 @@ def update_readme(results: str, variants: list[str], readme: str, image: str) ->
                         "per-step counts, cumulative acceptance and intervals in `results/tables/steps.md`):", "",
                         _markdown(stepwise_rows(loaded)), STEPWISE_NOTE, "",
                         "End-to-end decoding (`results/tables/e2e.md`):", "", _markdown(e2e_rows(loaded)), MAT_TAU_NOTE, "",
-                        "Training (`results/tables/training.md`): every variant once per seed; it stops at "
-                        "`drafters.train.max_steps` or when its held-out loss flattens (`plateau`):", "",
-                        _markdown(training_rows(loaded)), "",
+                        "Training (per seed: `results/tables/training.md`): every variant once per seed; it stops "
+                        "at `drafters.train.max_steps` or when its held-out loss flattens (`plateau`); `last interval "
+                        "change`: the held-out loss's relative change over the curve's last `interval` steps:", "",
+                        _markdown(training_summary_rows(loaded)), "",
                         claims_markdown(claims).replace("# Claims verdict", "Claims verdict (`results/claims.md`):"),
                         README_END])
     text = Path(readme).read_text()

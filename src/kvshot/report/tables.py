@@ -190,6 +190,25 @@ def training_rows(variants: list[Variant]) -> list[dict]:
     return rows
 
 
+def training_summary_rows(variants: list[Variant]) -> list[dict]:
+    """One row per variant over its seeds: steps, why training stopped, the last held-out loss
+    and its relative change over the curve's last interval (near 0: the curve has flattened)."""
+    rows = []
+    for v in variants:
+        seeds = v.train.get("per_seed") or [v.train]
+        stops = sorted({m.get("stopped_by") for m in seeds}, key=str)
+        curves = [[p["heldout_loss"] for p in m.get("heldout_curve") or []] for m in seeds]
+        changes = [(c[-1] - c[-2]) / c[-2] for c in curves if len(c) >= 2]
+        lasts = [c[-1] for c in curves if c]
+        rows.append({"variant": v.name, "seeds": len(seeds), "steps": "/".join(str(m.get("steps")) for m in seeds),
+                     "stopped by": ", ".join(f"{s} x{sum(m.get('stopped_by') == s for m in seeds)}" for s in stops),
+                     "held-out loss last (mean)": sum(lasts) / len(lasts) if lasts else None,
+                     "last interval change (mean)": f"{100 * sum(changes) / len(changes):+.2f}%" if changes else "",
+                     "interval (steps)": (seeds[0].get("heldout_curve") or [{}, {}])[-1].get("step", 0)
+                     - (seeds[0].get("heldout_curve") or [{}, {}])[-2].get("step", 0) if changes else None})
+    return rows
+
+
 def time_capped(variants: list[Variant], target_metrics: dict | None = None) -> list[str]:
     """What stopped at its `max_minutes` safety cap instead of its step budget: such a result
     depends on the machine's speed and load, not only on the config and seed."""
