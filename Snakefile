@@ -37,6 +37,7 @@ include: "workflow/rules/eval.smk"
 include: "workflow/rules/export.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/scaling.smk"
+include: "workflow/rules/blockwise.smk"
 
 
 rule all:

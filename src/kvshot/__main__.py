@@ -112,6 +112,16 @@ def _cmd_scaling_report(args, cfg) -> dict:
                               args.figure, args.table)
 
 
+def _cmd_blockwise_report(args, cfg) -> dict:
+    from .report.blockwise import run_blockwise_report
+
+    block = [v["name"] for v in (cfg.get("blockwise") or {}).get("variants", [])]
+    if not block:
+        raise ConfigError("config: blockwise.variants: no block variants to report on")
+    chains = [v["name"] for v in cfg["drafters"]["variants"] if v["paradigm"] == "kv"]
+    return run_blockwise_report(args.results, block, chains, args.figure, args.table, args.claims_md, args.claims_json)
+
+
 def _cmd_readme(args, cfg) -> dict:
     from .report import update_readme
 
@@ -131,6 +141,7 @@ STAGES = {
     "eval-e2e": (_cmd_eval_e2e, ("target", "drafters", "eval")),
     "report": (_cmd_report, ("drafters",)),
     "scaling-report": (_cmd_scaling_report, ("drafters", "scaling")),
+    "blockwise-report": (_cmd_blockwise_report, ("drafters", "blockwise")),
     "readme": (_cmd_readme, ("drafters",)),
     "export": (_cmd_export, ("features",)),
     "import": (_cmd_import, ()),
@@ -150,6 +161,7 @@ STAGE_HELP = {
     "eval-e2e": "real speculative decoding (chain and tree) against plain decoding: tau, speedup, lossless",
     "report": "tables, figures and the claims verdict from the result files",
     "scaling-report": "MAT against the number of training samples (figures/scaling.pdf)",
+    "blockwise-report": "block-wise drafters vs the KV-only chains: figures/blockwise.pdf, table, verdicts",
 }
 # what each path flag names (every one required)
 PATH_HELP = {
@@ -171,8 +183,8 @@ PATH_HELP = {
     "figures": "folder for the figures (pdf)",
     "claims-md": "where to write the claims verdict (markdown)",
     "claims-json": "where to write the claims verdict (JSON)",
-    "figure": "where to write the scaling figure",
-    "table": "where to write the scaling table",
+    "figure": "where to write the figure (scaling or block-wise)",
+    "table": "where to write the table (scaling or block-wise)",
 }
 
 
@@ -195,6 +207,7 @@ def parser() -> argparse.ArgumentParser:
         "eval-stepwise": ("drafter", "target", "continuations", "features-index", "out"),
         "eval-e2e": ("drafter", "target", "continuations", "features-index", "out"),
         "scaling-report": ("results", "figure", "table"),
+        "blockwise-report": ("results", "figure", "table", "claims-md", "claims-json"),
         "report": ("results", "tables", "figures", "claims-md", "claims-json"),
     }
     for stage, names in paths.items():

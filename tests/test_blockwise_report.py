@@ -1,0 +1,113 @@
+"""Block-wise drafting beyond the model: the stages run a saved block drafter (train-drafter,
+eval-stepwise, eval-e2e), the block-wise report's verdicts follow the numbers, and
+`figures/blockwise.pdf` is its own Snakemake target (dry run)."""
+from __future__ import annotations
+
+from .test_blockwise import block_cfg
+
+
+def test_stages_run_a_saved_block_drafter(tiny, tiny_features, tmp_path):
+    """train-drafter's folder loads back (config block_size/context), and the eval-stepwise and
+    eval-e2e stages run it: K steps per protocol, chain decoding only, lossless."""
+    import json
+
+    from kvshot.drafters import load_drafter
+    from kvshot.e2e import run_e2e_stage
+    from kvshot.stepwise import run_continuations_stage, run_stepwise_stage
+    from kvshot.train import train_variant
+
+    cfg = block_cfg(tiny, max_steps=4, eval_every=0)
+    K = cfg["drafters"]["ttt_steps"]
+    out = tmp_path / "drafters/bh1/seed0"
+    train_variant(cfg, tiny["rt"], "bh1", str(tiny_features["train"]), str(tiny_features["eval"]), str(tiny["model"]),
+                  str(out))
+    model = load_drafter(out)
+    assert model.paradigm == "block" and model.reads_aux_hidden and model.positions == K
+    cont, natural = tmp_path / "continuations.json", tmp_path / "natural.json"
+    run_continuations_stage(cfg, tiny["rt"], str(tiny["eval"]), str(tiny["model"]), str(cont), str(natural))
+    index = str(tiny_features["eval"] / "index.json")
+    sw_out, nat_out, e2e_out = tmp_path / "stepwise.json", tmp_path / "stepwise_natural.json", tmp_path / "e2e.json"
+    run_stepwise_stage(cfg, tiny["rt"], [str(out)], str(tiny["model"]), str(cont), index, str(sw_out), str(natural),
+                       str(nat_out))
+    for path in (sw_out, nat_out):
+        sw = json.loads(path.read_text())
+        assert sw["paradigm"] == "block" and len(sw["alpha"]) == K and sw["rounds"][0] > 0
+    run_e2e_stage(cfg, tiny["rt"], [str(out)], str(tiny["model"]), str(cont), index, str(e2e_out))
+    e2e = json.loads(e2e_out.read_text())
+    assert list(e2e["modes"]) == ["chain"] and e2e["lossless"] and e2e["modes"]["chain"]["rounds"] > 0
+
+
+# ---------------------------------------------------------------- the report and its own Snakemake target
+
+CHAIN_ALPHAS = {"kv-d1": [0.50, 0.45, 0.42, 0.40, 0.38, 0.36, 0.35], "kv-d2": [0.60, 0.55, 0.52, 0.50, 0.49, 0.48, 0.47],
+                "kv-d4": [0.62, 0.58, 0.56, 0.54, 0.53, 0.52, 0.51]}
+BLOCK_SPEC = {"block-kv-d1": ("kv", 1), "block-kv-d2": ("kv", 2), "block-kv-d4": ("kv", 4), "block-hidden": ("hidden", 1)}
+
+
+def write_block_results(root, block_alphas: dict, block_grad: float = 0.4, chain_grad: float = 0.05):
+    """The default run's KV-only chains under root/ and the block variants under root/blockwise/,
+    in the real file schemas (tests/test_claims.py's writers)."""
+    from kvshot.io import write_json
+
+    from .test_claims import e2e_record, stepwise_record, train_log
+
+    for name, alphas in CHAIN_ALPHAS.items():
+        write_json(root / "eval" / name / "stepwise.json", stepwise_record(alphas, "kv", int(name[-1])))
+        write_json(root / "eval" / name / "e2e.json", e2e_record(2.0, 0.01, 400))
+        write_json(root / "drafters" / name / "train_log.json", train_log("kv", 0.5, 0.05, chain_grad))
+        write_json(root / "drafters" / name / "metrics.json", {"eval": {}})
+    for name, (ctx, layers) in BLOCK_SPEC.items():
+        base = root / "blockwise"
+        write_json(base / "eval" / name / "stepwise.json", stepwise_record(block_alphas[name], "block", layers))
+        write_json(base / "eval" / name / "e2e.json", {"modes": {"chain": e2e_record(2.5, 0.008, 400)["modes"]["chain"]}})
+        write_json(base / "drafters" / name / "train_log.json", train_log("kv", 0.5, 0.1, block_grad))
+        write_json(base / "drafters" / name / "metrics.json", {"eval": {}})
+        write_json(base / "drafters" / name / "config.json", {"paradigm": "block", "block_context": ctx})
+    return root
+
+
+def block_report(root):
+    from kvshot.report.blockwise import run_blockwise_report
+
+    return run_blockwise_report(str(root), list(BLOCK_SPEC), list(CHAIN_ALPHAS), str(root / "figures/blockwise.pdf"),
+                                str(root / "blockwise/blockwise.csv"), str(root / "blockwise/claims.md"),
+                                str(root / "blockwise/claims.json"))
+
+
+def test_block_verdicts_follow_the_numbers(tmp_path):
+    """Blocks above their chains at every depth and KV context above hidden: all three verdicts
+    reproduced, with the figure and table written; blocks below: not reproduced."""
+    from kvshot.report.claims import NOT_REPRODUCED, REPRODUCED
+
+    up = {f"block-kv-d{d}": [min(a + 0.15, 0.99) for a in CHAIN_ALPHAS[f"kv-d{d}"]] for d in (1, 2, 4)}
+    up["block-hidden"] = [0.70, 0.60, 0.50, 0.40, 0.35, 0.30, 0.25]
+    verdicts = block_report(write_block_results(tmp_path / "up", up))
+    assert set(verdicts.values()) == {REPRODUCED}, verdicts
+    assert (tmp_path / "up/figures/blockwise.pdf").read_bytes()[:4] == b"%PDF"
+    table = (tmp_path / "up/blockwise/blockwise.csv").read_text().splitlines()
+    assert len(table) == 1 + 7 and "alpha_6" in table[0] and "tau_chain" in table[0]
+    assert "block-wise training rescues" in (tmp_path / "up/blockwise/claims.md").read_text()
+
+    down = {f"block-kv-d{d}": [a - 0.2 for a in CHAIN_ALPHAS[f"kv-d{d}"]] for d in (1, 2, 4)}
+    down["block-hidden"] = [0.9] * 7
+    verdicts = block_report(write_block_results(tmp_path / "down", down, block_grad=0.01))
+    assert set(verdicts.values()) == {NOT_REPRODUCED}, verdicts
+
+
+def test_blockwise_is_its_own_snakemake_target(tmp_path):
+    """`snakemake -n figures/blockwise.pdf` (smoke config): the block variants trained per seed,
+    evaluated and decoded under results/blockwise/, the KV-only chains they are judged
+    against, one report; `all` does not include them."""
+    import re
+
+    from .test_pipeline import snakemake, workdir
+
+    wd = workdir(tmp_path)
+    proc = snakemake(wd, "figures/blockwise.pdf", "-n", "--cores", "1", "--configfile", "config/smoke.yaml")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "warning" not in out.lower(), out[-3000:]
+    jobs = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", out[out.index("Job stats:"):], re.M)}
+    # smoke: 2 block variants x 2 seeds; 3 KV-only chains x 2 seeds
+    assert jobs["blockwise_train"] == 4 and jobs["blockwise_stepwise"] == 2 and jobs["blockwise_e2e"] == 2
+    assert jobs["blockwise_report"] == 1 and jobs["train_drafter"] == 6 and jobs["eval_stepwise"] == 3
+    assert "results/blockwise/drafters/block-hidden/seed1" in out and "report" not in jobs

@@ -1,0 +1,95 @@
+# Block-wise drafting (issue 22; not part of `all`: the default run's time budget is full):
+# `snakemake --cores all figures/blockwise.pdf`. The block variants (config `blockwise.variants`,
+# paradigm block) are trained, evaluated step-wise and decoded by the same stages as the drafters,
+# under results/blockwise/, then judged against the default run's KV-only chains (results/eval).
+# Their jobs get the variant's own entry as drafters.variants (common.smk `variant_params`).
+
+BLOCK_VARIANTS = [v["name"] for v in (config.get("blockwise") or {}).get("variants", [])]
+BLOCK_NAMES = "|".join(BLOCK_VARIANTS) or "(?!)"   # no block variants: the rules match nothing
+CHAIN_VARIANTS = [v["name"] for v in config["drafters"]["variants"] if v["paradigm"] == "kv"]
+
+
+use rule train_drafter as blockwise_train with:
+    output:
+        directory("results/blockwise/drafters/{variant}/seed{seed}"),
+    wildcard_constraints:
+        variant=BLOCK_NAMES,
+        seed=r"\d+",
+    params:
+        cfg=variant_params("drafters"),
+        overlay="",
+        launcher=train_launcher(),
+        rank_threads=train_rank_threads(),
+    log:
+        log_path("blockwise_train", "_{variant}_seed{seed}"),
+    benchmark:
+        bench_path("blockwise_train", "_{variant}_seed{seed}")
+
+
+use rule eval_stepwise as blockwise_stepwise with:
+    input:
+        drafters=drafter_seeds("results/blockwise/drafters/{variant}", SEEDS),
+        target="results/target/model",
+        continuations="results/eval/continuations.json",
+        natural="results/eval/natural.json",
+        features="results/features/eval",
+    output:
+        stepwise="results/blockwise/eval/{variant}/stepwise.json",
+        natural="results/blockwise/eval/{variant}/stepwise_natural.json",
+    wildcard_constraints:
+        variant=BLOCK_NAMES,
+    params:
+        cfg=variant_params("target", "drafters", "eval"),
+    log:
+        log_path("blockwise_stepwise", "_{variant}"),
+    benchmark:
+        bench_path("blockwise_stepwise", "_{variant}")
+
+
+use rule eval_e2e as blockwise_e2e with:
+    input:
+        drafters=drafter_seeds("results/blockwise/drafters/{variant}", SEEDS),
+        target="results/target/model",
+        continuations="results/eval/continuations.json",
+        features="results/features/eval",
+    output:
+        "results/blockwise/eval/{variant}/e2e.json",
+    wildcard_constraints:
+        variant=BLOCK_NAMES,
+    params:
+        cfg=variant_params("target", "drafters", "eval"),
+    log:
+        log_path("blockwise_e2e", "_{variant}"),
+    benchmark:
+        bench_path("blockwise_e2e", "_{variant}")
+
+
+rule blockwise_report:
+    input:
+        block=expand("results/blockwise/eval/{variant}/{file}", variant=BLOCK_VARIANTS,
+                     file=["stepwise.json", "stepwise_natural.json", "e2e.json"]),
+        block_drafters=expand("results/blockwise/drafters/{variant}/seed{seed}", variant=BLOCK_VARIANTS, seed=SEEDS),
+        chain=expand("results/eval/{variant}/{file}", variant=CHAIN_VARIANTS,
+                     file=["stepwise.json", "stepwise_natural.json", "e2e.json"]),
+        chain_drafters=expand("results/drafters/{variant}/seed{seed}", variant=CHAIN_VARIANTS, seed=SEEDS),
+    output:
+        figure=report("figures/blockwise.pdf", caption="../report/blockwise.rst", category="Figures"),
+        table="results/blockwise/blockwise.csv",
+        claims_md="results/blockwise/claims.md",
+        claims_json="results/blockwise/claims.json",
+    params:
+        cfg=stage_params("drafters", "blockwise"),
+    log:
+        log_path("blockwise_report"),
+    benchmark:
+        bench_path("blockwise_report")
+    conda:
+        CPU_ENV
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=20,
+    shell:
+        "python -m kvshot blockwise-report --config {params.cfg:q} --threads {threads} --results results"
+        " --figure {output.figure} --table {output.table} --claims-md {output.claims_md}"
+        " --claims-json {output.claims_json} > {log} 2>&1"
