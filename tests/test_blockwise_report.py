@@ -1,7 +1,11 @@
 """Block-wise drafting beyond the model: the stages run a saved block drafter (train-drafter,
-eval-stepwise, eval-e2e), the block-wise report's verdicts follow the numbers, and
-`figures/blockwise.pdf` is its own Snakemake target (dry run)."""
+eval-stepwise, eval-e2e), the hybrid-warm gate remedy's trainer setting, the block-wise
+report's verdicts (and the gate remedies') follow the numbers, and `figures/blockwise.pdf`
+is its own Snakemake target (dry run)."""
 from __future__ import annotations
+
+import pytest
+import torch
 
 from .test_blockwise import block_cfg
 
@@ -107,7 +111,78 @@ def test_blockwise_is_its_own_snakemake_target(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "warning" not in out.lower(), out[-3000:]
     jobs = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", out[out.index("Job stats:"):], re.M)}
-    # smoke: 2 block variants x 2 seeds; 3 KV-only chains x 2 seeds
-    assert jobs["blockwise_train"] == 4 and jobs["blockwise_stepwise"] == 2 and jobs["blockwise_e2e"] == 2
-    assert jobs["blockwise_report"] == 1 and jobs["train_drafter"] == 6 and jobs["eval_stepwise"] == 3
+    # smoke: 2 block variants and 1 gate remedy x 2 seeds; 3 KV-only chains and the hybrid x 2 seeds
+    assert jobs["blockwise_train"] == 6 and jobs["blockwise_stepwise"] == 3 and jobs["blockwise_e2e"] == 3
+    assert jobs["blockwise_report"] == 1 and jobs["train_drafter"] == 8 and jobs["eval_stepwise"] == 4
     assert "results/blockwise/drafters/block-hidden/seed1" in out and "report" not in jobs
+
+
+def write_remedies(root, remedies: dict, hybrid_mat_alphas=(0.85, 0.78, 0.72, 0.68, 0.66, 0.65, 0.64)):
+    """The default hybrid (its gate share collapsing 0.2 -> 0.02) under root/ and the remedies
+    {name: (alphas, final gate share)} under root/blockwise/."""
+    from kvshot.io import write_json
+
+    from .test_claims import e2e_record, stepwise_record, train_log
+
+    write_json(root / "eval/hybrid/stepwise.json", stepwise_record(list(hybrid_mat_alphas), "hybrid", 1))
+    write_json(root / "eval/hybrid/e2e.json", e2e_record(3.0, 0.01, 400))
+    write_json(root / "drafters/hybrid/train_log.json", train_log("hybrid", 0.3, 0.05, 0.05, 0.02))
+    write_json(root / "drafters/hybrid/metrics.json", {"eval": {}})
+    for name, (alphas, share) in remedies.items():
+        base = root / "blockwise"
+        write_json(base / "eval" / name / "stepwise.json", stepwise_record(alphas, "hybrid", 1))
+        write_json(base / "eval" / name / "e2e.json", e2e_record(3.0, 0.01, 400))
+        write_json(base / "drafters" / name / "train_log.json", train_log("hybrid", 0.5, 0.05, 0.05, share))
+        write_json(base / "drafters" / name / "metrics.json", {"eval": {}})
+    return root
+
+
+def test_gate_remedy_verdicts_follow_the_share_and_the_acceptance(tmp_path):
+    """A remedy whose KV-branch share holds and whose MAT beats the hybrid's: reproduced; one
+    whose share collapses: not reproduced; both tabulated in remedies.csv."""
+    from kvshot.report.blockwise import run_blockwise_report
+    from kvshot.report.claims import NOT_REPRODUCED, REPRODUCED
+
+    up = {f"block-kv-d{d}": [min(a + 0.15, 0.99) for a in CHAIN_ALPHAS[f"kv-d{d}"]] for d in (1, 2, 4)}
+    up["block-hidden"] = [0.70, 0.60, 0.50, 0.40, 0.35, 0.30, 0.25]
+    better = [0.90, 0.85, 0.80, 0.77, 0.75, 0.74, 0.73]
+    root = write_remedies(write_block_results(tmp_path, up),
+                          {"hybrid-open": (better, 0.25), "hybrid-warm": (better, 0.01)})
+    verdicts = run_blockwise_report(str(root), list(BLOCK_SPEC), list(CHAIN_ALPHAS), str(root / "figures/blockwise.pdf"),
+                                    str(root / "blockwise/blockwise.csv"), str(root / "blockwise/claims.md"),
+                                    str(root / "blockwise/claims.json"), ["hybrid-open", "hybrid-warm"], ["hybrid"])
+    assert verdicts["gate remedy hybrid-open"] == REPRODUCED
+    assert verdicts["gate remedy hybrid-warm"] == NOT_REPRODUCED   # the branch still closes
+    rows = (root / "blockwise/remedies.csv").read_text().splitlines()
+    assert len(rows) == 1 + 3 and rows[0].startswith("variant,kind") and "gate_share_final" in rows[0]
+
+
+def test_kv_warmup_trains_the_hybrids_kv_branch_alone_first(tiny, tiny_features, tmp_path):
+    """The hybrid-warm gate remedy: for kv_warmup_steps steps only the KV branch (its attentions,
+    norms and gate) moves; afterwards every parameter does. Other paradigms refuse the setting."""
+    from safetensors.torch import load_file
+
+    from kvshot.config import ConfigError
+    from kvshot.train import KV_BRANCH, train_variant
+
+    cfg = block_cfg(tiny, eval_every=0)
+    cfg["blockwise"]["remedies"] = [{"name": "warm", "paradigm": "hybrid", "layers": 1, "kv_warmup_steps": 2}]
+
+    def weights(steps: int) -> dict:
+        cfg["drafters"]["train"]["max_steps"] = steps
+        out = tmp_path / f"warm{steps}"
+        train_variant(cfg, tiny["rt"], "warm", str(tiny_features["train"]), str(tiny_features["eval"]),
+                      str(tiny["model"]), str(out))
+        return load_file(str(out / "model.safetensors"))
+
+    start, warm, joint = weights(0), weights(2), weights(4)
+    trained = [n for n in start if not n.startswith(("embed_tokens", "d2t", "t2d"))]
+    branch = [n for n in trained if n.startswith(KV_BRANCH)]
+    assert branch and len(branch) < len(trained)
+    for n in trained:
+        moved = not torch.equal(start[n], warm[n])
+        assert moved == (n in branch), f"{n}: moved {moved} during the warm-up"
+        assert not torch.equal(start[n], joint[n]), f"{n} never trained"
+    cfg["blockwise"]["remedies"] = [{"name": "warm", "paradigm": "kv", "layers": 1, "kv_warmup_steps": 2}]
+    with pytest.raises(ConfigError, match="kv_warmup_steps"):
+        weights(1)

@@ -119,7 +119,10 @@ def _cmd_blockwise_report(args, cfg) -> dict:
     if not block:
         raise ConfigError("config: blockwise.variants: no block variants to report on")
     chains = [v["name"] for v in cfg["drafters"]["variants"] if v["paradigm"] == "kv"]
-    return run_blockwise_report(args.results, block, chains, args.figure, args.table, args.claims_md, args.claims_json)
+    remedies = [v["name"] for v in cfg["blockwise"].get("remedies") or []]
+    hybrids = [v["name"] for v in cfg["drafters"]["variants"] if v["paradigm"] == "hybrid"]
+    return run_blockwise_report(args.results, block, chains, args.figure, args.table, args.claims_md, args.claims_json,
+                                remedies, hybrids)
 
 
 def _cmd_readme(args, cfg) -> dict:

@@ -41,7 +41,8 @@ def launcher_args(num_processes: int) -> list[str]:
 def variant_config(cfg: dict, name: str) -> dict:
     """A variant's settings: the drafter defaults, its own entry, and its train overrides."""
     dcfg = cfg["drafters"]
-    entries = {v["name"]: v for v in dcfg["variants"] + (cfg.get("blockwise") or {}).get("variants", [])}
+    extra = cfg.get("blockwise") or {}   # block variants and gate remedies (workflow/rules/blockwise.smk)
+    entries = {v["name"]: v for v in dcfg["variants"] + extra.get("variants", []) + extra.get("remedies", [])}
     if name not in entries:
         raise ConfigError(f"config: drafters.variants: no variant named {name!r} (have {sorted(entries)})")
     v = copy.deepcopy(entries[name])
@@ -101,6 +102,20 @@ def init_head_from_target(model: Drafter, target, d2t: torch.Tensor) -> None:
     the head need not be learned from scratch in a short training budget."""
     model.lm_head.weight.copy_(target.lm_head.weight[d2t.to(target.lm_head.weight.device)].to(model.lm_head.weight))
     model.norm.weight.copy_(target.model.norm.weight.to(model.norm.weight))
+
+
+KV_BRANCH = ("kv_attns.", "kv_norms.", "gate_logit")   # the hybrid's KV branch and its gate
+
+
+def held_back(model: Drafter, v: dict) -> list[torch.nn.Parameter]:
+    """The parameters a variant's kv_warmup_steps hold back (the hybrid-warm gate remedy):
+    everything outside the hybrid's KV branch, so that the branch learns alone at first."""
+    if not v.get("kv_warmup_steps"):
+        return []
+    if v["paradigm"] != "hybrid":
+        raise ConfigError(f"config: drafters.variants.{v['name']}.kv_warmup_steps: a hybrid setting "
+                          f"(paradigm {v['paradigm']} has no gated KV branch)")
+    return [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith(KV_BRANCH)]
 
 
 # ---------------------------------------------------------------- diagnostics
@@ -354,6 +369,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_at(s, tc["max_steps"], tc["warmup_steps"], tc["min_lr_ratio"]))
     groups = param_groups(model)
+    warm_steps, waiting = int(v.get("kv_warmup_steps") or 0), held_back(model, v)
 
     ckpt = Path(f"{out_dir}.ckpt") / "checkpoint.pt"
     fp = _fingerprint(v, cfg, rt, train_dir, eval_dir, target_dir)
@@ -411,6 +427,9 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
         if float(bad) > 0:
             raise FloatingPointError(f"train {name}: loss is {loss.item()} at step {step}; {no_good_state()}")
         loss.backward()
+        if step < warm_steps:   # hybrid-warm: no update outside the KV branch yet (AdamW skips grad None)
+            for p in waiting:
+                p.grad = None
         logging = step % tc["log_every"] == 0 or step + 1 == tc["max_steps"]
         norms = grad_norms(groups) if logging else None
         total_norm = torch.nn.utils.clip_grad_norm_(params, tc["grad_clip"])

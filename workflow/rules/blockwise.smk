@@ -1,12 +1,15 @@
-# Block-wise drafting (issue 22; not part of `all`: the default run's time budget is full):
+# Block-wise drafting and the hybrid's gate remedies (issue 22; not part of `all`: the default
+# run's time budget is full):
 # `snakemake --cores all figures/blockwise.pdf`. The block variants (config `blockwise.variants`,
 # paradigm block) are trained, evaluated step-wise and decoded by the same stages as the drafters,
 # under results/blockwise/, then judged against the default run's KV-only chains (results/eval).
 # Their jobs get the variant's own entry as drafters.variants (common.smk `variant_params`).
 
 BLOCK_VARIANTS = [v["name"] for v in (config.get("blockwise") or {}).get("variants", [])]
-BLOCK_NAMES = "|".join(BLOCK_VARIANTS) or "(?!)"   # no block variants: the rules match nothing
+REMEDIES = [v["name"] for v in (config.get("blockwise") or {}).get("remedies") or []]   # gate remedies (hybrids)
+BLOCK_NAMES = "|".join(BLOCK_VARIANTS + REMEDIES) or "(?!)"   # none: the rules match nothing
 CHAIN_VARIANTS = [v["name"] for v in config["drafters"]["variants"] if v["paradigm"] == "kv"]
+HYBRIDS = [v["name"] for v in config["drafters"]["variants"] if v["paradigm"] == "hybrid"] if REMEDIES else []
 
 
 use rule train_drafter as blockwise_train with:
@@ -66,15 +69,17 @@ use rule eval_e2e as blockwise_e2e with:
 
 rule blockwise_report:
     input:
-        block=expand("results/blockwise/eval/{variant}/{file}", variant=BLOCK_VARIANTS,
+        block=expand("results/blockwise/eval/{variant}/{file}", variant=BLOCK_VARIANTS + REMEDIES,
                      file=["stepwise.json", "stepwise_natural.json", "e2e.json"]),
-        block_drafters=expand("results/blockwise/drafters/{variant}/seed{seed}", variant=BLOCK_VARIANTS, seed=SEEDS),
-        chain=expand("results/eval/{variant}/{file}", variant=CHAIN_VARIANTS,
+        block_drafters=expand("results/blockwise/drafters/{variant}/seed{seed}", variant=BLOCK_VARIANTS + REMEDIES,
+                              seed=SEEDS),
+        chain=expand("results/eval/{variant}/{file}", variant=CHAIN_VARIANTS + HYBRIDS,
                      file=["stepwise.json", "stepwise_natural.json", "e2e.json"]),
-        chain_drafters=expand("results/drafters/{variant}/seed{seed}", variant=CHAIN_VARIANTS, seed=SEEDS),
+        chain_drafters=expand("results/drafters/{variant}/seed{seed}", variant=CHAIN_VARIANTS + HYBRIDS, seed=SEEDS),
     output:
         figure=report("figures/blockwise.pdf", caption="../report/blockwise.rst", category="Figures"),
         table="results/blockwise/blockwise.csv",
+        remedies=["results/blockwise/remedies.csv"] if REMEDIES else [],
         claims_md="results/blockwise/claims.md",
         claims_json="results/blockwise/claims.json",
     params:

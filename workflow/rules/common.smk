@@ -48,12 +48,13 @@ def stage_params(*sections):
 
 def variant_params(*sections):
     """stage_params for a job of one drafter variant: drafters.variants holds only that
-    variant's entry, so adding or editing a variant reruns its own jobs alone. A block
-    variant (blockwise.variants, blockwise.smk) is looked up there."""
+    variant's entry, so adding or editing a variant reruns its own jobs alone. A block variant
+    or gate remedy (blockwise.variants / remedies, blockwise.smk) is looked up there."""
 
     def params(wildcards):
         cfg = stage_config(config, *sections)
-        entries = config["drafters"]["variants"] + (config.get("blockwise") or {}).get("variants", [])
+        extra = config.get("blockwise") or {}
+        entries = config["drafters"]["variants"] + extra.get("variants", []) + extra.get("remedies", [])
         own = [v for v in entries if v["name"] == wildcards.variant]
         cfg["drafters"] = {**cfg["drafters"], "variants": own}
         return json.dumps(cfg, sort_keys=True)

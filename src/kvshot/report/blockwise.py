@@ -5,6 +5,9 @@ in the claims machinery (`claims.Judge`: 95% intervals, enough rounds, every see
 Block variants live under results/blockwise/ (drafters/<variant>/seed<N>, eval/<variant>/);
 the chains they are judged against are the default run's KV-only variants under results/.
 Block position k is chain step k: alpha_k, MAT and retention read the same way for both.
+The gate remedies for the hybrid (`blockwise.remedies`, also under results/blockwise/) are
+judged against the default run's hybrid: does the KV branch's share |g delta| / |h| stay open,
+and does that buy acceptance?
 """
 from __future__ import annotations
 
@@ -12,8 +15,8 @@ import statistics
 from pathlib import Path
 
 from ..io import read_json, write_json, write_text
-from .claims import (MISSING, NOT_REPRODUCED, REPRODUCED, Judge, agree, alpha_at, claim,
-                     claims_markdown, combine, mat_of)
+from .claims import (GATE_COLLAPSE_RATIO, INCONCLUSIVE, MISSING, NOT_REPRODUCED, REPRODUCED, Judge, _gate_claim,
+                     agree, alpha_at, claim, claims_markdown, combine, mat_of)
 from .figures import _err, _save, _style, plt
 from .results import Variant, judged_protocol, load_variants, seed_folders, seed_runs, with_protocol
 from .tables import write_rows
@@ -128,6 +131,46 @@ def evaluate_block_claims(block: list[Variant], chain: list[Variant]) -> list[di
     return out
 
 
+def evaluate_remedy_claims(remedies: list[Variant], hybrids: list[Variant]) -> list[dict]:
+    """One verdict per gate remedy against the default hybrid: reproduced when the KV branch's
+    measured share |g delta| / |h| does not collapse (final >= GATE_COLLAPSE_RATIO x initial, in
+    every seed: `claims._gate_claim` does not find a collapse) and MAT(remedy) > MAT(hybrid) by
+    the 95% intervals in every seed; not reproduced when it collapses or MAT is lower."""
+    hybrid = min(hybrids, key=lambda v: v.layers) if hybrids else None
+    if not remedies:
+        return []
+    everyone = remedies + ([hybrid] if hybrid else [])
+    judged = judged_protocol(everyone)
+    everyone = with_protocol(everyone, judged["protocol"])
+    per_seed = seed_runs(everyone)
+    judge, out = Judge(per_seed), []
+    hybrid = everyone[-1] if hybrid else None
+    for i, r in enumerate(everyone[: len(remedies)]):
+        test = (f"|g delta|/|h| of {r.name} stays >= {GATE_COLLAPSE_RATIO} x its initial value (every seed) and "
+                f"MAT({r.name}) > MAT({hybrid.name if hybrid else 'hybrid'}), 95% intervals")
+        gate = _gate_claim(r)
+        seeds = [_gate_claim(run[i])["verdict"] for run in per_seed]
+        collapse = agree(gate["verdict"], seeds)   # reproduced: the share collapsed
+        numbers = dict(gate["numbers"])
+        if hybrid is None or collapse == MISSING or gate["verdict"] == MISSING:
+            verdict = MISSING
+        else:
+            mat = judge.greater(r, hybrid, mat_of)
+            numbers |= {f"MAT {r.name}": mat_of(r).text(), f"MAT {hybrid.name}": mat_of(hybrid).text()}
+            if collapse == REPRODUCED or mat == NOT_REPRODUCED:
+                verdict = NOT_REPRODUCED
+            elif gate["verdict"] != REPRODUCED and all(v != REPRODUCED for v in seeds) and mat == REPRODUCED:
+                verdict = REPRODUCED
+            else:
+                verdict = INCONCLUSIVE
+        c = claim(f"gate remedy {r.name}", "gate-induced gradient starvation: the hybrid gate closes early and "
+                  "stays closed (remedies: not measured in the paper)", test, numbers, verdict,
+                  "; ".join(filter(None, [judge.take_notes(), gate.get("note", "")])), len(per_seed))
+        c["protocol"], c["reference_repetition"] = judged["protocol"], judged["repetition"]
+        out.append(c)
+    return out
+
+
 def block_rows(block: list[Variant], chain: list[Variant]) -> list[dict]:
     """One row per variant, on the protocol the verdicts are judged on."""
     judged = judged_protocol(block + chain)["protocol"]
@@ -146,6 +189,21 @@ def block_rows(block: list[Variant], chain: list[Variant]) -> list[dict]:
                 row |= {"tau_chain": chain_e2e["tau"], "draft_s_per_round": chain_e2e["draft_seconds_per_round"],
                         "lossless": chain_e2e["lossless"]}
             rows.append(row)
+    return rows
+
+
+def remedy_rows(variants: list[Variant]) -> list[dict]:
+    """The hybrid and its remedies: MAT (on the judged protocol), and the KV branch's share at
+    the start and the end of training."""
+    rows = []
+    for v in with_protocol(variants, judged_protocol(variants)["protocol"]):
+        shares = [r["gate_share"] for r in v.log if any(x is not None for x in r.get("gate_share") or [])]
+        mean = lambda xs: statistics.mean(x for x in xs if x is not None)   # noqa: E731
+        rows.append({"variant": v.name, "kind": "remedy" if v.train.get("remedy") else "hybrid", "layers": v.layers,
+                     "protocol": v.stepwise.get("protocol", "continuations"), "MAT": v.stepwise["mat"],
+                     "MAT_lo": v.stepwise["mat_ci"][0], "MAT_hi": v.stepwise["mat_ci"][1],
+                     "gate_share_initial": mean(shares[0]) if shares else None,
+                     "gate_share_final": mean(shares[-1]) if shares else None})
     return rows
 
 
@@ -180,13 +238,21 @@ def blockwise_figure(block: list[Variant], chain: list[Variant], path) -> None:
 
 
 def run_blockwise_report(results: str, block_names: list[str], chain_names: list[str], figure: str, table: str,
-                         claims_md: str, claims_json: str) -> dict:
-    """results/blockwise/{eval,drafters} for the block variants, results/{eval,drafters} for the chains."""
+                         claims_md: str, claims_json: str, remedy_names: list[str] = (),
+                         hybrid_names: list[str] = ()) -> dict:
+    """results/blockwise/{eval,drafters} for the block variants and gate remedies,
+    results/{eval,drafters} for the chains and the hybrid the remedies are judged against."""
     block = load_variants(Path(results) / "blockwise", block_names)
     read_contexts(Path(results) / "blockwise", block)
     chain = load_variants(results, chain_names)
-    claims = evaluate_block_claims(block, chain)
+    remedies = load_variants(Path(results) / "blockwise", list(remedy_names))
+    for v in remedies:
+        v.train["remedy"] = True
+    hybrids = load_variants(results, list(hybrid_names)) if remedies else []
+    claims = evaluate_block_claims(block, chain) + evaluate_remedy_claims(remedies, hybrids)
     write_rows(block_rows(block, chain), table)
+    if remedies:   # beside the table: results/blockwise/remedies.csv
+        write_rows(remedy_rows(remedies + hybrids), Path(table).with_name("remedies.csv"))
     blockwise_figure(block, chain, figure)
     write_json(claims_json, claims)
     text = claims_markdown(claims).replace("# Claims verdict", "# Block-wise drafting: verdicts")
