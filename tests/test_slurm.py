@@ -208,9 +208,10 @@ def test_smoke_dag_goes_through_sbatch(slurm_run, tmp_path):
     wd, proc = slurm_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     ids = re.findall(r"has been submitted with SLURM jobid (\d+)", proc.stdout + proc.stderr)
-    variants = [v["name"] for v in read_config([str(REPO / "config/config.yaml"), str(REPO / "config/smoke.yaml")])
-                ["drafters"]["variants"]]
-    jobs = 7 + 3 * len(variants)   # data, tokenizer, target, 2 captures, continuations, report; 3 per variant
+    drafters = read_config([str(REPO / "config/config.yaml"), str(REPO / "config/smoke.yaml")])["drafters"]
+    variants = [v["name"] for v in drafters["variants"]]
+    # data, tokenizer, target, 2 captures, continuations, report; per variant: one training job per seed, 2 evals
+    jobs = 7 + (2 + len(drafters["seeds"])) * len(variants)
     assert len(ids) == jobs and len(set(ids)) == jobs       # every job but `all`, each its own sbatch
     for name in variants:
         assert json.loads((wd / f"results/eval/{name}/e2e.json").read_text())["lossless"] is True
@@ -230,7 +231,9 @@ def test_smoke_dag_goes_through_sbatch(slurm_run, tmp_path):
 @needs_cluster
 def test_scancel_mid_training_then_resubmit_resumes(slurm_run):
     wd, _ = slurm_run
-    (wd / "long.yaml").write_text("drafters:\n  train:\n    max_steps: 400\n    ckpt_every: 20\n")
+    # no plateau stop and no held-out curve: the run must still be training when it is cancelled
+    (wd / "long.yaml").write_text("drafters:\n  train:\n    max_steps: 400\n    ckpt_every: 20\n"
+                                  "    plateau: null\n    eval_every: 0\n")
     args = ["results/drafters/kv-d1/seed0", *PROFILE, "--configfile", "config/smoke.yaml", "long.yaml"]
     ckpt = wd / "results/drafters/kv-d1/seed0.ckpt/checkpoint.pt"
     run = subprocess.Popen(["snakemake", *args], cwd=wd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
