@@ -32,7 +32,8 @@ class Variant:
 
     @property
     def label(self) -> str:
-        kind = {"hidden": "hidden-only", "kv": "KV-only", "hybrid": "hybrid", "standalone": "standalone LM"}[self.paradigm]
+        kind = {"hidden": "hidden-only", "kv": "KV-only", "hybrid": "hybrid", "standalone": "standalone LM",
+                "block": "block-wise"}.get(self.paradigm, self.paradigm)
         return f"{self.name} ({kind}, {self.layers} layer{'s' if self.layers > 1 else ''})"
 
 
