@@ -19,7 +19,8 @@ from .conftest import REPO
 DEVICE_RULES = {"target", "capture_features", "target_continuations", "train_drafter", "eval_stepwise",
                 "eval_e2e", "scaling_train", "scaling_stepwise", "regenerate_data", "blockwise_train",
                 "blockwise_stepwise", "blockwise_e2e"}
-OPTIONAL_RULES = {"regenerate_data", "export_eagle3"}   # not behind `all`: asked for by config or by target
+OPTIONAL_RULES = {"regenerate_data", "export_eagle3", "blockwise_train", "blockwise_stepwise", "blockwise_e2e",
+                  "blockwise_report"}   # not behind `all`: asked for by config or by target
 CPU_RULES = {"prepare_data", "train_tokenizer", "report", "scaling_report", "export_eagle3", "blockwise_report"}
 
 RULE_ENVS = """
