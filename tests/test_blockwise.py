@@ -18,6 +18,7 @@ from kvshot.ttt import (assistant_tokens, context, label_positions, shift, step_
                         weighted_loss)
 
 from .conftest import build_test_drafter
+from .test_train import die_at_call
 
 S = 5            # block slots: x_{t+1} and four masks
 P = S - 1        # positions predicted
@@ -299,19 +300,10 @@ def test_trainer_runs_the_block_objective_and_resumes_bit_identically(tiny, tiny
     config = json.loads((tmp_path / "whole/config.json").read_text())
     assert config["block_size"] == K + 1 and config["block_context"] == ("kv" if name == "bk2" else "hidden")
 
-    calls = {"n": 0}
-    real = train_mod.step_losses
-
-    def dying(*a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 4:   # step 3: the checkpoint of step 2 exists, step 3 is lost
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-
-    monkeypatch.setattr(train_mod, "step_losses", dying)
+    die_at_call(monkeypatch, 4, KeyboardInterrupt)   # step 3: the checkpoint of step 2 exists, step 3 is lost
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path / "resumed")
-    monkeypatch.setattr(train_mod, "step_losses", real)
+    monkeypatch.undo()
     assert run(tmp_path / "resumed")["resumed_from"] == 2
     a, b = load_file(str(tmp_path / "whole/model.safetensors")), load_file(str(tmp_path / "resumed/model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

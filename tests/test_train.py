@@ -42,27 +42,32 @@ class Killed(BaseException):
     """Stands in for SIGKILL: nothing after it runs, no cleanup beyond what the OS gives."""
 
 
-@pytest.mark.parametrize("name", ["hyb", "kv2"])
-def test_kill_and_resume_is_bit_identical(tiny, tiny_features, tmp_path, monkeypatch, name):
-    cfg = small_cfg(tiny)
-    run(tiny, tiny_features, cfg, tmp_path / "whole", name)
-
+def die_at_call(monkeypatch, call: int, exc: type[BaseException] = Killed) -> None:
+    """Make the trainer's `step_losses` raise `exc` on its `call`-th call (undo: monkeypatch.undo)."""
     calls = {"n": 0}
     real = train_mod.step_losses
 
     def dying(*a, **kw):
         calls["n"] += 1
-        if calls["n"] == 4:          # step 3: the checkpoint of step 2 exists, step 3 is lost
-            raise Killed
+        if calls["n"] == call:
+            raise exc
         return real(*a, **kw)
 
     monkeypatch.setattr(train_mod, "step_losses", dying)
+
+
+@pytest.mark.parametrize("name", ["hyb", "kv2"])
+def test_kill_and_resume_is_bit_identical(tiny, tiny_features, tmp_path, monkeypatch, name):
+    cfg = small_cfg(tiny)
+    run(tiny, tiny_features, cfg, tmp_path / "whole", name)
+
+    die_at_call(monkeypatch, 4)   # step 3: the checkpoint of step 2 exists, step 3 is lost
     with pytest.raises(Killed):
         run(tiny, tiny_features, cfg, tmp_path / "resumed", name)
     assert not (tmp_path / "resumed").exists()
     saved = torch.load(tmp_path / "resumed.ckpt/checkpoint.pt", weights_only=False)
     assert saved["progress"]["step"] == 2
-    monkeypatch.setattr(train_mod, "step_losses", real)
+    monkeypatch.undo()
     metrics = run(tiny, tiny_features, cfg, tmp_path / "resumed", name)
     assert metrics["resumed_from"] == 2
     a, b = weights(tmp_path / "whole"), weights(tmp_path / "resumed")
