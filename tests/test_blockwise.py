@@ -252,6 +252,8 @@ def test_objective_and_default_block_size(tiny):
         block_wise, positions = True, 7
     assert objective(Fake(), cfg["drafters"]) == (7, 1.0)
     assert objective(Fake(), {**cfg["drafters"], "block_position_decay": 0.8}) == (7, 0.8)
+    assert objective(Fake(), cfg["drafters"], {"position_decay": 0.8}) == (7, 0.8)   # the variant's own wins
+    assert objective(Fake(), {**cfg["drafters"], "block_position_decay": 0.5}, {"position_decay": 0.8}) == (7, 0.8)
     assert objective(object(), cfg["drafters"]) == (cfg["drafters"]["ttt_steps"], cfg["drafters"]["step_decay"])
 
 

@@ -75,7 +75,8 @@ def block_report(root):
 
     return run_blockwise_report(str(root), list(BLOCK_SPEC), list(CHAIN_ALPHAS), str(root / "figures/blockwise.pdf"),
                                 str(root / "blockwise/blockwise.csv"), str(root / "blockwise/claims.md"),
-                                str(root / "blockwise/claims.json"))
+                                str(root / "blockwise/claims.json"), decay_figure=str(root / "figures/decay.pdf"),
+                                depth_figure=str(root / "figures/depth.pdf"))
 
 
 def test_block_verdicts_follow_the_numbers(tmp_path):
@@ -87,7 +88,8 @@ def test_block_verdicts_follow_the_numbers(tmp_path):
     up["block-hidden"] = [0.70, 0.60, 0.50, 0.40, 0.35, 0.30, 0.25]
     verdicts = block_report(write_block_results(tmp_path / "up", up))
     assert set(verdicts.values()) == {REPRODUCED}, verdicts
-    assert (tmp_path / "up/figures/blockwise.pdf").read_bytes()[:4] == b"%PDF"
+    for fig in ("blockwise", "decay", "depth"):   # decay and depth: the default run's, block variants added
+        assert (tmp_path / f"up/figures/{fig}.pdf").read_bytes()[:4] == b"%PDF"
     table = (tmp_path / "up/blockwise/blockwise.csv").read_text().splitlines()
     assert len(table) == 1 + 7 and "alpha_6" in table[0] and "tau_chain" in table[0]
     assert "block-wise training rescues" in (tmp_path / "up/blockwise/claims.md").read_text()
@@ -96,6 +98,41 @@ def test_block_verdicts_follow_the_numbers(tmp_path):
     down["block-hidden"] = [0.9] * 7
     verdicts = block_report(write_block_results(tmp_path / "down", down, block_grad=0.01))
     assert set(verdicts.values()) == {NOT_REPRODUCED}, verdicts
+
+
+def test_position_weight_ablation_is_judged_against_its_uniform_twin(tmp_path):
+    """A block variant with its own position_decay (variant.json) is the 0.8^k ablation: judged
+    against the uniform variant of the same context and depth in either direction, a row of kind
+    `ablation` in the table, and kept out of the block-vs-chain verdicts (block-kv-d2 stays the d2 block)."""
+    import csv
+
+    from kvshot.io import write_json
+    from kvshot.report.blockwise import run_blockwise_report
+    from kvshot.report.claims import NOT_REPRODUCED, REPRODUCED
+
+    from .test_claims import e2e_record, stepwise_record, train_log
+
+    up = {f"block-kv-d{d}": [min(a + 0.15, 0.99) for a in CHAIN_ALPHAS[f"kv-d{d}"]] for d in (1, 2, 4)}
+    up["block-hidden"] = [0.70, 0.60, 0.50, 0.40, 0.35, 0.30, 0.25]
+    for shift, expect in ((0.1, REPRODUCED), (-0.3, NOT_REPRODUCED)):
+        root = write_block_results(tmp_path / f"abl{shift}", up)
+        base = root / "blockwise"
+        alphas = [min(max(a + shift, 0.01), 0.99) for a in up["block-kv-d2"]]
+        write_json(base / "eval/block-kv-d2-decay/stepwise.json", stepwise_record(alphas, "block", 2))
+        write_json(base / "eval/block-kv-d2-decay/e2e.json", {"modes": {"chain": e2e_record(2.5, 0.008, 400)["modes"]["chain"]}})
+        write_json(base / "drafters/block-kv-d2-decay/train_log.json", train_log("kv", 0.5, 0.1, 0.4))
+        write_json(base / "drafters/block-kv-d2-decay/metrics.json", {"eval": {}})
+        write_json(base / "drafters/block-kv-d2-decay/config.json", {"paradigm": "block", "block_context": "kv"})
+        write_json(base / "drafters/block-kv-d2-decay/variant.json", {"name": "block-kv-d2-decay", "position_decay": 0.8})
+        verdicts = run_blockwise_report(str(root), [*BLOCK_SPEC, "block-kv-d2-decay"], list(CHAIN_ALPHAS),
+                                        str(root / "figures/blockwise.pdf"), str(base / "blockwise.csv"),
+                                        str(base / "claims.md"), str(base / "claims.json"))
+        ablation = [v for c, v in verdicts.items() if c.startswith("block position weights 0.8^k")]
+        assert ablation == [expect], verdicts
+        assert verdicts["block-wise training rescues long-range KV drafting"] == REPRODUCED   # the uniform d2 block
+        rows = {r["variant"]: r for r in csv.DictReader(open(base / "blockwise.csv"))}
+        assert rows["block-kv-d2-decay"]["kind"] == "ablation" and float(rows["block-kv-d2-decay"]["position_decay"]) == 0.8
+        assert rows["block-kv-d2"]["kind"] == "block" and float(rows["block-kv-d2"]["position_decay"]) == 1.0
 
 
 def test_blockwise_is_its_own_snakemake_target(tmp_path):
@@ -111,9 +148,11 @@ def test_blockwise_is_its_own_snakemake_target(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "warning" not in out.lower(), out[-3000:]
     jobs = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", out[out.index("Job stats:"):], re.M)}
-    # smoke: 2 block variants and 1 gate remedy x 2 seeds; 3 KV-only chains and the hybrid x 2 seeds
+    # smoke: 2 block variants and 1 gate remedy x 2 seeds; the 6 drafters.variants x 2 seeds (the KV-only
+    # chains and the hybrid are judged against, all of them are redrawn in blockwise_decay.pdf)
     assert jobs["blockwise_train"] == 6 and jobs["blockwise_stepwise"] == 3 and jobs["blockwise_e2e"] == 3
-    assert jobs["blockwise_report"] == 1 and jobs["train_drafter"] == 8 and jobs["eval_stepwise"] == 4
+    assert jobs["blockwise_report"] == 1 and jobs["train_drafter"] == 12 and jobs["eval_stepwise"] == 6
+    assert "figures/blockwise_decay.pdf" in out and "figures/blockwise_depth.pdf" in out
     assert "results/blockwise/drafters/block-hidden/seed1" in out and "report" not in jobs
 
 

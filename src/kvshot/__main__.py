@@ -121,8 +121,9 @@ def _cmd_blockwise_report(args, cfg) -> dict:
     chains = [v["name"] for v in cfg["drafters"]["variants"] if v["paradigm"] == "kv"]
     remedies = [v["name"] for v in cfg["blockwise"].get("remedies") or []]
     hybrids = [v["name"] for v in cfg["drafters"]["variants"] if v["paradigm"] == "hybrid"]
+    main = [v["name"] for v in cfg["drafters"]["variants"]]
     return run_blockwise_report(args.results, block, chains, args.figure, args.table, args.claims_md, args.claims_json,
-                                remedies, hybrids)
+                                remedies, hybrids, main, args.decay_figure, args.depth_figure)
 
 
 def _cmd_readme(args, cfg) -> dict:
@@ -228,6 +229,9 @@ def parser() -> argparse.ArgumentParser:
                            "rollouts (target-continuations) or their step-wise results (eval-stepwise)")
         if stage == "eval-stepwise":
             s.add_argument("--natural", default=None, help="the target's rollouts at real anchors (results/eval/natural.json)")
+        if stage == "blockwise-report":
+            s.add_argument("--decay-figure", default=None, help="the decay figure with the block and remedy variants beside the default run's")
+            s.add_argument("--depth-figure", default=None, help="the depth figure with block-wise KV beside KV-only")
         if stage == "train-drafter":
             s.add_argument("--seed", type=int, default=None,
                            help="the training seed (drafter init and data order; default: config `seed`)")

@@ -86,11 +86,12 @@ def training_forward(drafter: Drafter) -> nn.Module:
     return BlockUnroll(drafter) if is_block(drafter) else TTTUnroll(drafter)
 
 
-def objective(drafter: Drafter, dcfg: dict) -> tuple[int, float]:
-    """(steps scored, loss weight ratio per step): the block's positions and
-    drafters.block_position_decay for a block drafter, the TTT unroll's K and step_decay otherwise."""
+def objective(drafter: Drafter, dcfg: dict, variant: dict | None = None) -> tuple[int, float]:
+    """(steps scored, loss weight ratio per step): the block's positions and its position decay
+    (the variant's own position_decay, else drafters.block_position_decay) for a block drafter,
+    the TTT unroll's K and step_decay otherwise."""
     if is_block(drafter):
-        decay = dcfg.get("block_position_decay")
+        decay = (variant or {}).get("position_decay", dcfg.get("block_position_decay"))
         return drafter.positions, DEFAULT_POSITION_DECAY if decay is None else float(decay)
     return dcfg["ttt_steps"], dcfg["step_decay"]
 

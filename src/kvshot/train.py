@@ -357,7 +357,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     n = min(len(train_src), tc.get("train_samples") or len(train_src))   # the data-scaling knob
     d2t = draft_vocab(train_src, dcfg["draft_vocab_size"], target.config.vocab_size, n)
     model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), d2t, target).to(rt.device)
-    steps_k, decay = objective(model, dcfg)   # TTT: K steps, step_decay; a block: its positions, block_position_decay
+    steps_k, decay = objective(model, dcfg, v)   # TTT: K steps, step_decay; a block: its positions, block_position_decay
     missing = sorted(set(model.cfg.kv_layers) - set(train_src.spec.kv_layers))
     if missing:
         raise ConfigError(f"config: features.kv_layers: variant {name} reads target layers {missing}, "

@@ -10,6 +10,7 @@ REMEDIES = [v["name"] for v in (config.get("blockwise") or {}).get("remedies") o
 BLOCK_NAMES = "|".join(BLOCK_VARIANTS + REMEDIES) or "(?!)"   # none: the rules match nothing
 CHAIN_VARIANTS = [v["name"] for v in config["drafters"]["variants"] if v["paradigm"] == "kv"]
 HYBRIDS = [v["name"] for v in config["drafters"]["variants"] if v["paradigm"] == "hybrid"] if REMEDIES else []
+OTHERS = [v["name"] for v in config["drafters"]["variants"] if v["name"] not in CHAIN_VARIANTS + HYBRIDS]   # redrawn beside them
 
 
 use rule train_drafter as blockwise_train with:
@@ -76,8 +77,12 @@ rule blockwise_report:
         chain=expand("results/eval/{variant}/{file}", variant=CHAIN_VARIANTS + HYBRIDS,
                      file=["stepwise.json", "stepwise_natural.json", "e2e.json"]),
         chain_drafters=expand("results/drafters/{variant}/seed{seed}", variant=CHAIN_VARIANTS + HYBRIDS, seed=SEEDS),
+        others=expand("results/eval/{variant}/{file}", variant=OTHERS, file=["stepwise.json", "stepwise_natural.json"]),
+        other_drafters=expand("results/drafters/{variant}/seed{seed}", variant=OTHERS, seed=SEEDS),
     output:
         figure=report("figures/blockwise.pdf", caption="../report/blockwise.rst", category="Figures"),
+        decay=report("figures/blockwise_decay.pdf", caption="../report/blockwise.rst", category="Figures"),
+        depth=report("figures/blockwise_depth.pdf", caption="../report/blockwise.rst", category="Figures"),
         table="results/blockwise/blockwise.csv",
         remedies=["results/blockwise/remedies.csv"] if REMEDIES else [],
         claims_md="results/blockwise/claims.md",
@@ -97,4 +102,4 @@ rule blockwise_report:
     shell:
         "python -m kvshot blockwise-report --config {params.cfg:q} --threads {threads} --results results"
         " --figure {output.figure} --table {output.table} --claims-md {output.claims_md}"
-        " --claims-json {output.claims_json} > {log} 2>&1"
+        " --claims-json {output.claims_json} --decay-figure {output.decay} --depth-figure {output.depth} > {log} 2>&1"

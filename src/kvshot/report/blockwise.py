@@ -17,7 +17,7 @@ from pathlib import Path
 from ..io import read_json, write_json, write_text
 from .claims import (GATE_COLLAPSE_RATIO, INCONCLUSIVE, MISSING, NOT_REPRODUCED, REPRODUCED, Judge, _gate_claim,
                      agree, alpha_at, claim, claims_markdown, combine, mat_of)
-from .figures import _err, _save, _style, plt
+from .figures import _err, _save, _style, decay, depth, plt
 from .results import Variant, judged_protocol, load_variants, seed_folders, seed_runs, with_protocol
 from .tables import write_rows
 
@@ -30,20 +30,34 @@ def block_context(v: Variant) -> str:
     return v.train.get("block_context", "kv")
 
 
+def position_decay(v: Variant) -> float | None:
+    """A block variant's own position_decay (variant.json): set only on the position-weight ablations."""
+    return v.train.get("position_decay")
+
+
 def read_contexts(results: Path, variants: list[Variant]) -> None:
-    """Each block variant's drafter config (block_context) into its metrics record."""
+    """Each block variant's drafter config (block_context) and own position_decay into its metrics record."""
     for v in variants:
         folders = seed_folders(results / "drafters" / v.name, v.stepwise)
         config = read_json(folders[0] / "config.json") if folders else {}
         v.train["block_context"] = config.get("block_context", "kv")
+        entry = read_json(folders[0] / "variant.json") if folders and (folders[0] / "variant.json").exists() else {}
+        v.train["position_decay"] = entry.get("position_decay")
 
 
 def split_roles(block: list[Variant], chain: list[Variant]) -> dict:
-    """Block-KV by depth, block-hidden (the shallowest), and the KV-only chains by depth."""
-    kv_blocks = {v.layers: v for v in block if block_context(v) == "kv"}
-    hidden = sorted((v for v in block if block_context(v) == "hidden"), key=lambda v: v.layers)
+    """Block-KV by depth, block-hidden (the shallowest), the KV-only chains by depth, and the
+    position-weight ablations with their uniform twins (same context and depth)."""
+    uniform = [v for v in block if position_decay(v) is None]
+    kv_blocks = {v.layers: v for v in uniform if block_context(v) == "kv"}
+    hidden = sorted((v for v in uniform if block_context(v) == "hidden"), key=lambda v: v.layers)
+    ablations = []
+    for v in block:
+        twin = [u for u in uniform if u.layers == v.layers and block_context(u) == block_context(v)]
+        if position_decay(v) is not None and twin:
+            ablations.append((v, twin[0]))
     return {"block_kv": kv_blocks, "block_hidden": hidden[0] if hidden else None,
-            "chain": {v.layers: v for v in chain if v.paradigm == "kv"}}
+            "chain": {v.layers: v for v in chain if v.paradigm == "kv"}, "ablations": ablations}
 
 
 def median_grad_ratio(v: Variant | None) -> float | None:
@@ -128,6 +142,19 @@ def evaluate_block_claims(block: list[Variant], chain: list[Variant]) -> list[di
         "sparse KV-path gradient under autoregressive TTT (drafter-side W_K/W_V see only the drafted tokens)",
         "median over training of |grad W_K,W_V| / |grad W_Q,W_O|: block-kv-dN > kv-dN at every depth, every seed",
         nums, final, len(seed_verdicts))
+
+    for abl, twin in r["ablations"]:   # an ablation, not a claim of the paper: either direction is reported
+        nums, ups, downs = {}, [], []
+        for get in (alpha_at(last), mat_of):
+            ups.append(judge.greater(abl, twin, get))
+            downs.append(judge.greater(twin, abl, get))
+            nums[f"{get(abl).what} {abl.name}"], nums[f"{get(twin).what} {twin.name}"] = get(abl).text(), get(twin).text()
+        up, down = combine(ups), combine(downs)
+        verdict = MISSING if MISSING in (up, down) else up if up == REPRODUCED else NOT_REPRODUCED if down == REPRODUCED else INCONCLUSIVE
+        add(f"block position weights {position_decay(abl)}^k beat uniform ({abl.name} vs {twin.name})",
+            "ablation (not in the paper): the block objective's position weights, uniform by default",
+            f"alpha_{last} and MAT of {abl.name} > of {twin.name}, 95% intervals, every seed "
+            f"(not reproduced: uniform is higher on both)", nums, verdict)
     return out
 
 
@@ -179,7 +206,9 @@ def block_rows(block: list[Variant], chain: list[Variant]) -> list[dict]:
     for kind, group in (("block", block), ("chain", chain)):
         for v in group:
             sw = v.stepwise
-            row = {"variant": v.name, "kind": kind, "context": block_context(v) if kind == "block" else "kv",
+            row = {"variant": v.name, "kind": "ablation" if kind == "block" and position_decay(v) is not None else kind,
+                   "position_decay": (position_decay(v) or 1.0) if kind == "block" else None,
+                   "context": block_context(v) if kind == "block" else "kv",
                    "layers": v.layers, "protocol": sw.get("protocol", "continuations"),
                    "MAT": sw["mat"], "MAT_lo": sw["mat_ci"][0], "MAT_hi": sw["mat_ci"][1],
                    "retention": sw["retention_observed"], "kv_grad_ratio": median_grad_ratio(v)}
@@ -220,6 +249,7 @@ def blockwise_figure(block: list[Variant], chain: list[Variant], path) -> None:
         shown = [(r["chain"].get(d), "--", "KV-only chain (TTT)"), (r["block_kv"].get(d), "-", "block, KV context")]
         if r["block_hidden"] and r["block_hidden"].layers == d:
             shown.append((r["block_hidden"], ":", "block, hidden context"))
+        shown += [(a, "-.", f"block, {position_decay(a)}^k position weights") for a, _ in r["ablations"] if a.layers == d]
         for v, style, what in shown:
             if v is None:
                 continue
@@ -239,9 +269,12 @@ def blockwise_figure(block: list[Variant], chain: list[Variant], path) -> None:
 
 def run_blockwise_report(results: str, block_names: list[str], chain_names: list[str], figure: str, table: str,
                          claims_md: str, claims_json: str, remedy_names: list[str] = (),
-                         hybrid_names: list[str] = ()) -> dict:
+                         hybrid_names: list[str] = (), main_names: list[str] = (), decay_figure: str | None = None,
+                         depth_figure: str | None = None) -> dict:
     """results/blockwise/{eval,drafters} for the block variants and gate remedies,
-    results/{eval,drafters} for the chains and the hybrid the remedies are judged against."""
+    results/{eval,drafters} for the chains and the hybrid the remedies are judged against.
+    decay_figure / depth_figure: the default run's figures redrawn with the block variants and
+    remedies beside every variant of drafters.variants (main_names)."""
     block = load_variants(Path(results) / "blockwise", block_names)
     read_contexts(Path(results) / "blockwise", block)
     chain = load_variants(results, chain_names)
@@ -254,6 +287,13 @@ def run_blockwise_report(results: str, block_names: list[str], chain_names: list
     if remedies:   # beside the table: results/blockwise/remedies.csv
         write_rows(remedy_rows(remedies + hybrids), Path(table).with_name("remedies.csv"))
     blockwise_figure(block, chain, figure)
+    if decay_figure or depth_figure:
+        main = load_variants(results, list(main_names or chain_names))
+        everyone = main + block + remedies
+        if decay_figure:
+            decay(everyone, decay_figure)
+        if depth_figure:
+            depth(everyone, depth_figure)
     write_json(claims_json, claims)
     text = claims_markdown(claims).replace("# Claims verdict", "# Block-wise drafting: verdicts")
     write_text(claims_md, text.replace("by `kvshot report`", "by `kvshot blockwise-report`"))

@@ -41,6 +41,11 @@ def _title(protocol: str, under: list[Variant]) -> str:
     return f"{protocol} protocol" + ("" if rep is None else f" (reference 4-gram repetition {rep:.0%})")
 
 
+def _line_style(v: Variant) -> str:
+    """Solid for the paper's paradigms; block-wise drafters dashed, gate remedies (the blockwise target's) dotted."""
+    return "--" if v.paradigm == "block" else ":" if v.train.get("remedy") else "-"
+
+
 def decay(variants: list[Variant], path) -> None:
     """alpha_k with its interval per step, and below it the rounds each alpha_k rests on, one
     column per evaluation protocol. A point below the minimum rounds is drawn hollow, without
@@ -61,7 +66,7 @@ def decay(variants: list[Variant], path) -> None:
             few = [k for k in range(len(a)) if not ok[k] and a[k] == a[k]]
             line = ax.errorbar(good, [a[k] for k in good],
                                yerr=_err([a[k] for k in good], [sw["alpha_ci"][k] for k in good]),
-                               marker="o", capsize=3, label=v.label)
+                               marker="o", capsize=3, label=v.label, linestyle=_line_style(v))
             color = line.lines[0].get_color()
             ax.scatter(few, [a[k] for k in few], facecolors="none", edgecolors=color, zorder=4)
             axn.plot(range(len(a)), sw["rounds"], marker="o", color=color)
@@ -88,7 +93,8 @@ def decay(variants: list[Variant], path) -> None:
 
 def depth(variants: list[Variant], path) -> None:
     """MAT against KV-only depth, one line per protocol; EAGLE-3 and the hybrid as reference
-    lines under the protocol the claims are judged on."""
+    lines under the protocol the claims are judged on. Block-wise drafters with KV context (uniform
+    position weights), when present, as a second line per protocol, and gate remedies as reference lines."""
     _style()
     fig, ax = plt.subplots(figsize=(5.6, 4.0))
     judged = judged_protocol(variants)["protocol"]
@@ -102,15 +108,23 @@ def depth(variants: list[Variant], path) -> None:
         if few:
             ax.scatter(few, [r["kv"][d].stepwise["mat"] for d in few], s=120, facecolors="white", edgecolors="red",
                        zorder=4, label="fewer rounds than the minimum")
+        under = with_protocol(variants, protocol)
+        blocks = {v.layers: v for v in sorted(under, key=lambda v: v.layers) if v.paradigm == "block"
+                  and v.train.get("block_context", "kv") == "kv" and v.train.get("position_decay") is None}
+        if blocks:
+            bs = sorted(blocks)
+            bm = [blocks[d].stepwise["mat"] for d in bs]
+            ax.errorbar(bs, bm, yerr=_err(bm, [blocks[d].stepwise["mat_ci"] for d in bs]), marker="s", capsize=3,
+                        linestyle="--", label=f"block-wise KV, {protocol}")
         if protocol == judged:
-            for key, style in (("eagle3", "--"), ("hybrid", ":")):
-                v = r[key]
+            shown = [(r["eagle3"], "--"), (r["hybrid"], ":")] + [(v, "-.") for v in under if v.train.get("remedy")]
+            for v, style in shown:
                 if v:
                     ax.axhline(v.stepwise["mat"], linestyle=style, color="gray",
                                label=f"{v.label}, {protocol}: {v.stepwise['mat']:.2f}")
-            ax.set_xticks(ds)
+            ax.set_xticks(sorted(set(ds) | set(blocks)))
     ax.scatter([1, 2], [PAPER["mat"]["kv-d1"], PAPER["mat"]["kv-d2"]], label="paper KV-only (Qwen3-8B)", **PAPER_STYLE)
-    ax.set_xlabel("KV-only drafter depth (layers)")
+    ax.set_xlabel("KV drafter depth (layers)")
     ax.set_ylabel("MAT (step-wise, chain)")
     ax.set_title("Query-estimation bottleneck: MAT vs depth")
     ax.legend(fontsize=7)
