@@ -108,6 +108,23 @@ def test_smoke_dag_end_to_end(tmp_path):
     (wd / "more.yaml").write_text("drafters:\n  train:\n    lr: 0.002\n")
     assert dry_run_jobs(wd, "config/smoke.yaml", "more.yaml") == downstream
 
+    # the block-wise target on top of the finished run: only its own jobs, real verdicts, lossless decoding
+    proc = snakemake(wd, "figures/blockwise.pdf", "--cores", "2", "--configfile", "config/smoke.yaml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("block-kv-d1", "block-hidden", "hybrid-warm"):
+        e2e = json.loads((wd / f"results/blockwise/eval/{name}/e2e.json").read_text())
+        assert e2e["lossless"] is True and [s["seed"] for s in e2e["per_seed"]] == [0, 1]
+        assert set(e2e["modes"]) == ({"chain"} if name.startswith("block") else {"chain", "tree"})
+        stepwise = json.loads((wd / f"results/blockwise/eval/{name}/stepwise.json").read_text())
+        assert len(stepwise["alpha"]) == 7 and stepwise["rounds"][0] > 0
+    block_claims = {c["claim"]: c for c in json.loads((wd / "results/blockwise/claims.json").read_text())}
+    assert {"block-wise training rescues long-range KV drafting", "block-wise KV context vs block-wise hidden context",
+            "block-wise training densifies the KV-path gradient", "gate remedy hybrid-warm"} <= set(block_claims)
+    assert all(c["verdict"] and c.get("seeds") == 2 for c in block_claims.values())
+    for fig in ("blockwise", "blockwise_decay", "blockwise_depth"):
+        assert (wd / f"figures/{fig}.pdf").read_bytes()[:4] == b"%PDF"
+    assert "rule train_drafter:" not in proc.stdout + proc.stderr   # the default run's drafters were reused
+
 
 def test_paper_dag_dry_runs_with_the_default_rule_graph(tmp_path):
     wd = workdir(tmp_path)

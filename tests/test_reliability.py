@@ -59,6 +59,15 @@ CASES = [
      "scaling.train_samples.1", "more than"),
     ("deep KV drafter on a shallow target", lambda c: _variant(c, "kv-d4").update(layers=5),
      "drafters.variants.3.layers", "4-layer target"),
+    ("block variant named as a drafter", lambda c: c.setdefault("blockwise", {}).setdefault("variants", []).append(
+        {"name": "kv-d1", "paradigm": "block", "context": "kv", "layers": 1}), "blockwise.variants.2.name", "defined twice"),
+    ("block-KV variant deeper than the target", lambda c: c.setdefault("blockwise", {}).setdefault("variants", []).append(
+        {"name": "bk5", "paradigm": "block", "context": "kv", "layers": 5}), "blockwise.variants.2.layers", "4-layer target"),
+    ("block-KV layers not captured", lambda c: (
+        _set(c, "features.kv_layers", [2, 3]), c["drafters"]["variants"].remove(_variant(c, "kv-d4")),
+        c.setdefault("blockwise", {}).setdefault("variants", []).append(
+            {"name": "bk4", "paradigm": "block", "context": "kv", "layers": 4})),
+     "features.kv_layers", "variant bk4 reads target layers [0, 1]"),
 ]
 
 

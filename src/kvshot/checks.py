@@ -64,6 +64,15 @@ def missing_local_path(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
 
 
+def all_variants(cfg: dict) -> list[tuple[list[str], dict]]:
+    """(config path, entry) of every drafter variant: drafters.variants, then the block-wise
+    target's blockwise.variants and blockwise.remedies."""
+    out = [(["drafters", "variants", str(i)], v) for i, v in enumerate((cfg.get("drafters") or {}).get("variants", []))]
+    for key in ("variants", "remedies"):
+        out += [(["blockwise", key, str(i)], v) for i, v in enumerate((cfg.get("blockwise") or {}).get(key) or [])]
+    return out
+
+
 def check_consistency(cfg: dict, fail: Callable[[list[str], str], None]) -> None:
     """Call fail(path, problem) for the first impossible combination found."""
     for section in ("target", "tokenizer"):
@@ -73,12 +82,11 @@ def check_consistency(cfg: dict, fail: Callable[[list[str], str], None]) -> None
                  "fix the path, or download the model there")
     drafters, data, ev, scaling = cfg.get("drafters"), cfg.get("data"), cfg.get("eval"), cfg.get("scaling")
     if drafters is not None:
-        seen: dict[str, int] = {}
-        for i, v in enumerate(drafters["variants"]):
+        seen: dict[str, str] = {}
+        for path, v in all_variants(cfg):   # the block-wise target's variants share the name space
             if v["name"] in seen:
-                fail(["drafters", "variants", str(i), "name"],
-                     f"{v['name']!r} is defined twice (also drafters.variants.{seen[v['name']]}); names must be unique")
-            seen[v["name"]] = i
+                fail(path + ["name"], f"{v['name']!r} is defined twice (also {seen[v['name']]}); names must be unique")
+            seen[v["name"]] = ".".join(path)
         tc = drafters["train"]
         if drafters["ttt_steps"] + 2 > tc["max_len"]:
             fail(["drafters", "ttt_steps"], f"{drafters['ttt_steps']} steps need sequences of at least "
@@ -134,14 +142,14 @@ def _check_target_fit(cfg: dict, shape: TargetShape, fail: Callable[[list[str], 
     if shape.vocab is not None and drafters["draft_vocab_size"] > shape.vocab:
         fail(["drafters", "draft_vocab_size"], f"{drafters['draft_vocab_size']} is larger than the target's "
              f"vocabulary ({shape.vocab})")
-    for i, v in enumerate(drafters["variants"]):
-        if v["paradigm"] not in ("kv", "hybrid"):
+    for path, v in all_variants(cfg):
+        if not (v["paradigm"] in ("kv", "hybrid") or (v["paradigm"] == "block" and v.get("context", "kv") == "kv")):
             continue
         if v["layers"] > L:
-            fail(["drafters", "variants", str(i), "layers"], f"{v['layers']} KV layers for a {L}-layer target")
+            fail(path + ["layers"], f"{v['layers']} KV layers for a {L}-layer target")
         own = v.get("kv_layers")
         layers = list(own) if own is not None else list(range(L - v["layers"], L))
-        field = ["drafters", "variants", str(i), "kv_layers"] if own is not None else ["features", "kv_layers"]
+        field = path + ["kv_layers"] if own is not None else ["features", "kv_layers"]
         if own is not None and len(own) != v["layers"]:
             fail(field, f"{len(own)} target layers for a {v['layers']}-layer drafter")
         missing = sorted(set(layers) - kv_held)
