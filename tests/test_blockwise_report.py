@@ -225,3 +225,23 @@ def test_kv_warmup_trains_the_hybrids_kv_branch_alone_first(tiny, tiny_features,
     cfg["blockwise"]["remedies"] = [{"name": "warm", "paradigm": "kv", "layers": 1, "kv_warmup_steps": 2}]
     with pytest.raises(ConfigError, match="kv_warmup_steps"):
         weights(1)
+
+
+def test_readme_carries_the_blockwise_block(tmp_path):
+    """`kvshot readme` also regenerates the block-wise table and verdicts between their markers
+    when results/blockwise/claims.json exists, from the target's own files."""
+    from kvshot.report import update_readme
+
+    up = {f"block-kv-d{d}": [min(a + 0.15, 0.99) for a in CHAIN_ALPHAS[f"kv-d{d}"]] for d in (1, 2, 4)}
+    up["block-hidden"] = [0.70, 0.60, 0.50, 0.40, 0.35, 0.30, 0.25]
+    root = write_block_results(tmp_path, up)
+    block_report(root)
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n<!-- results:start -->\nold\n<!-- results:end -->\nmid\n"
+                      "<!-- blockwise:start -->\nstale\n<!-- blockwise:end -->\nafter\n")
+    update_readme(str(root), list(CHAIN_ALPHAS), str(readme), str(tmp_path / "docs/decay.png"))
+    text = readme.read_text()
+    block = text.split("<!-- blockwise:start -->")[1].split("<!-- blockwise:end -->")[0]
+    assert "stale" not in block and text.endswith("after\n") and "\nmid\n" in text
+    assert "| block-kv-d2 | block | kv | 2 | 1.000 | 0.750 | 0.620 |" in block   # alpha_0 0.60 + 0.15, alpha_6 0.47 + 0.15
+    assert "block-wise training rescues long-range KV drafting" in block and "**reproduced**" in block

@@ -76,9 +76,56 @@ def update_readme(results: str, variants: list[str], readme: str, image: str) ->
                         _markdown(training_summary_rows(loaded)), "",
                         claims_markdown(claims).replace("# Claims verdict", "Claims verdict (`results/claims.md`):"),
                         README_END])
-    text = Path(readme).read_text()
-    if README_START not in text or README_END not in text:
-        raise ValueError(f"{readme}: missing the {README_START} / {README_END} markers")
-    head, rest = text.split(README_START, 1)
-    tail = rest.split(README_END, 1)[1]
-    write_text(readme, head + block + tail)
+    text = _replace_block(Path(readme).read_text(), readme, README_START, README_END, block)
+    if (Path(results) / "blockwise" / "claims.json").exists() and BLOCKWISE_START in text:
+        text = _replace_block(text, readme, BLOCKWISE_START, BLOCKWISE_END, blockwise_readme_block(results))
+    write_text(readme, text)
+
+
+def _replace_block(text: str, readme: str, start: str, end: str, block: str) -> str:
+    if start not in text or end not in text:
+        raise ValueError(f"{readme}: missing the {start} / {end} markers")
+    head, rest = text.split(start, 1)
+    return head + block + rest.split(end, 1)[1]
+
+
+BLOCKWISE_START, BLOCKWISE_END = "<!-- blockwise:start -->", "<!-- blockwise:end -->"
+BLOCKWISE_COLUMNS = {"variant": "variant", "kind": "kind", "context": "context", "layers": "layers",
+                     "position_decay": "position weight ratio", "alpha_0": "alpha_0", "alpha_last": None, "MAT": "MAT",
+                     "MAT_ci": "MAT 95% CI", "kv_grad_ratio": "grad W_K,W_V / W_Q,W_O", "tau_chain": "tau (chain)",
+                     "draft_s_per_round": "draft s/round", "lossless": "lossless"}
+
+
+def _cell(text: str | None) -> str:
+    """A CSV cell for the README: numbers to 3 decimals, integers and words as they are."""
+    if text in (None, ""):
+        return ""
+    try:
+        return text if text.lstrip("-").isdigit() else f"{float(text):.3f}"
+    except ValueError:
+        return text
+
+
+def blockwise_readme_block(results: str) -> str:
+    """The block-wise target's table (results/blockwise/blockwise.csv, a subset of its columns) and
+    verdicts (results/blockwise/claims.json), between the blockwise markers."""
+    import csv
+
+    from .tables import _markdown
+
+    base = Path(results) / "blockwise"
+    with open(base / "blockwise.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        last = "alpha_%d" % max(int(c.split("_")[1]) for c in reader.fieldnames if c[6:].isdigit() and c[:6] == "alpha_")
+        rows = []
+        for r in reader:
+            r["MAT_ci"], r["alpha_last"] = f"[{_cell(r.get('MAT_lo'))}, {_cell(r.get('MAT_hi'))}]", r[last]
+            rows.append({label or last: r[col] if col == "MAT_ci" else _cell(r.get(col))
+                         for col, label in BLOCKWISE_COLUMNS.items()})
+    claims = read_json(base / "claims.json")
+    text = claims_markdown(claims).replace("# Claims verdict", "Verdicts (`results/blockwise/claims.md`):")
+    text = text.replace("by `kvshot report`", "by `kvshot blockwise-report`")
+    return "\n".join([BLOCKWISE_START, "", "Block and chain drafters on the judged protocol (`results/blockwise/blockwise.csv`; "
+                      "alpha_k per block position = chain step; grad: the median over training of the KV path's "
+                      "gradient ratio; remedies: `results/blockwise/remedies.csv`):", "",
+                      _markdown(rows), text, BLOCKWISE_END])
