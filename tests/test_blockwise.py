@@ -25,6 +25,8 @@ P = S - 1        # positions predicted
 BLOCKS = {
     "block-kv-d2": {"name": "bk2", "paradigm": "block", "context": "kv", "layers": 2, "block_size": S},
     "block-hidden-d1": {"name": "bh1", "paradigm": "block", "context": "hidden", "layers": 1, "block_size": S},
+    "block-kv-d1-refine": {"name": "bkr", "paradigm": "block", "context": "kv", "layers": 1, "block_size": S,
+                           "refine_passes": 1},   # one refinement pass
 }
 
 
@@ -53,11 +55,14 @@ def context_keys(model, ctx: dict, b: int, i: int) -> tuple[torch.Tensor, torch.
     return keys.k[0], keys.v[0]
 
 
-def reference_block(model, ctx: dict, ids: torch.Tensor, valid: torch.Tensor, b: int, t: int) -> torch.Tensor:
+def reference_block(model, ctx: dict, ids: torch.Tensor, valid: torch.Tensor, b: int, t: int,
+                    guesses: torch.Tensor | None = None) -> torch.Tensor:
     """The block after anchor t of sequence b, written out: S query rows at t+1.., keys = the
-    valid context keys of positions <= t plus the block's own S keys, softmax, values. [S, H]."""
+    valid context keys of positions <= t plus the block's own S keys, softmax, values. [S, H].
+    guesses (a refinement pass): S - 1 target tokens whose embeddings the mask slots add."""
     x_next = ids[b, t + 1] if t + 1 < ids.shape[1] else torch.tensor(0)
-    h = torch.cat([model.embed_tokens(x_next)[None], model.mask_embed])[None]          # [1, S, H]
+    masks = model.mask_embed if guesses is None else model.mask_embed + model.embed_tokens(guesses)
+    h = torch.cat([model.embed_tokens(x_next)[None], masks])[None]                    # [1, S, H]
     rot = model.rotary((t + 1 + torch.arange(S))[None])
     seen = valid[b, : t + 1]
     for i, layer in enumerate(model.layers):
@@ -74,11 +79,22 @@ def reference_block(model, ctx: dict, ids: torch.Tensor, valid: torch.Tensor, b:
     return h[0]
 
 
+def reference_passes(model, ctx: dict, ids: torch.Tensor, valid: torch.Tensor, b: int, t: int) -> list[torch.Tensor]:
+    """Every pass's block: the first, then per refinement pass the block re-run with mask slot j
+    adding the embedding of the previous pass's greedy token at slot j - 1 (mapped to the target vocabulary)."""
+    passes = [reference_block(model, ctx, ids, valid, b, t)]
+    for _ in range(model.cfg.block_refine):
+        guesses = model.d2t[model.logits(passes[-1][:-1]).argmax(-1)].detach()
+        passes.append(reference_block(model, ctx, ids, valid, b, t, guesses))
+    return passes
+
+
 def reference_loss(model, batch: dict, labels, decay: float) -> tuple[dict, torch.Tensor]:
     """Loop over sequences and anchors: each labelled anchor's block, position k scored by the
     soft cross-entropy to the target's distribution for x_{t+k+2} where that token is an
     assistant token and the target's greedy token is in the draft vocabulary; per position the
-    mean over those, weighted decay ** k. Returns ({(b, t): logits [P, N]}, the loss)."""
+    mean over those (and over every refinement pass), weighted decay ** k. Returns
+    ({(b, t): every pass's logits [P, N]}, the loss)."""
     ctx = context(batch, torch.float32)
     ids, valid = batch["input_ids"].long(), batch["attention_mask"].bool()
     scored = assistant_tokens(batch)
@@ -88,18 +104,57 @@ def reference_loss(model, batch: dict, labels, decay: float) -> tuple[dict, torc
             ks = [k for k in range(P) if t + k + 2 < ids.shape[1] and scored[b, t + k + 2]]
             if not ks:
                 continue
-            logits = model.logits(reference_block(model, ctx, ids, valid, b, t)[1:])   # slot k+1: position k
-            logits_of[(b, t)] = logits
-            for k in ks:
-                if not model.t2d[labels.argmax[b, t + k + 1]]:
-                    continue
-                p = labels.probs[b, t + k + 1]
-                sums[k] = sums[k] - (p * torch.log_softmax(logits[k], -1)).sum()
-                counts[k] += 1
+            logits_of[(b, t)] = []
+            for h in reference_passes(model, ctx, ids, valid, b, t):
+                logits = model.logits(h[1:])   # slot k+1: position k
+                logits_of[(b, t)].append(logits)
+                for k in ks:
+                    if not model.t2d[labels.argmax[b, t + k + 1]]:
+                        continue
+                    p = labels.probs[b, t + k + 1]
+                    sums[k] = sums[k] - (p * torch.log_softmax(logits[k], -1)).sum()
+                    counts[k] += 1
     return logits_of, sum(decay ** k * s / max(c, 1) for k, (s, c) in enumerate(zip(sums, counts)))
 
 
 # ---------------------------------------------------------------- tests
+
+def test_refinement_pass_equals_the_per_anchor_reference(drafter_world):
+    """One refinement pass (refine_passes 1): training scores both passes, loss and every
+    gradient equal the per-anchor loop's; evaluation drafts with the second pass, whose mask
+    slots read the first pass's greedy tokens; with no passes the drafter is the plain block."""
+    src, target, _ = drafter_world
+    spec = {**BLOCKS["block-kv-d2"], "refine_passes": 1}
+    model = build_test_drafter(drafter_world, spec, 0).train()
+    assert model.cfg.block_refine == 1
+    batch = two_sequences(src)
+    labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t,
+                           positions=label_positions(batch))
+    un = block_unroll(model, batch)
+    fast = weighted_loss(step_losses(model, un, batch, labels)[0], 0.8)
+    fast.backward()
+    fast_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    ref_logits, ref = reference_loss(model, batch, labels, 0.8)
+    ref.backward()
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(fast_grads[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
+    model.eval()
+    with torch.no_grad():
+        un = block_unroll(model, batch, skip_unlabelled=False)
+        width, compared = batch["input_ids"].shape[1], 0
+        for k in range(P):
+            for row, logits in zip(un.rows[k].tolist(), un.logits[k][0]):
+                if divmod(row, width) in ref_logits:   # evaluation: the last pass
+                    torch.testing.assert_close(logits, ref_logits[divmod(row, width)][-1][k], atol=1e-5, rtol=1e-5)
+                    compared += 1
+        assert compared > 40
+        plain = build_test_drafter(drafter_world, BLOCKS["block-kv-d2"], 0).eval()
+        first = block_unroll(plain, batch, skip_unlabelled=False)
+        assert not torch.allclose(first.logits[1], un.logits[1])   # the second pass changes the draft
+
 
 @pytest.mark.parametrize("name", list(BLOCKS))
 @pytest.mark.parametrize("backend", ["flash_cpu", "reference"])
@@ -125,9 +180,12 @@ def test_one_call_forward_equals_the_per_anchor_reference(drafter_world, name, b
             torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
             width = batch["input_ids"].shape[1]
             compared = 0
+            passes = 1 + model.cfg.block_refine   # training scores each pass's rows, pass-major
             for k in range(P):
-                for row, logits in zip(un.rows[k].tolist(), un.logits[k][0]):
-                    torch.testing.assert_close(logits, ref_logits[divmod(row, width)][k], atol=1e-5, rtol=1e-5)
+                per_pass = len(un.rows[k]) // passes
+                for i, (row, logits) in enumerate(zip(un.rows[k].tolist(), un.logits[k][0])):
+                    want = ref_logits[divmod(row, width)][i // per_pass][k]
+                    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
                     compared += 1
             assert compared > 40
             for n, p in model.named_parameters():

@@ -100,10 +100,13 @@ def test_block_verdicts_follow_the_numbers(tmp_path):
     assert set(verdicts.values()) == {NOT_REPRODUCED}, verdicts
 
 
-def test_position_weight_ablation_is_judged_against_its_uniform_twin(tmp_path):
-    """A block variant with its own position_decay (variant.json) is the 0.8^k ablation: judged
-    against the uniform variant of the same context and depth in either direction, a row of kind
-    `ablation` in the table, and kept out of the block-vs-chain verdicts (block-kv-d2 stays the d2 block)."""
+@pytest.mark.parametrize("entry,claim", [({"position_decay": 0.8}, "block position weights 0.8^k"),
+                                         ({"refine_passes": 1}, "block refinement pays (1 refinement pass)")])
+def test_ablation_is_judged_against_its_plain_twin(tmp_path, entry, claim):
+    """A block variant with its own position_decay or refinement passes (variant.json) is an
+    ablation: judged against the plain variant of the same context and depth in either direction,
+    a row of kind `ablation` in the table, and kept out of the block-vs-chain verdicts
+    (block-kv-d2 stays the d2 block)."""
     import csv
 
     from kvshot.io import write_json
@@ -123,15 +126,17 @@ def test_position_weight_ablation_is_judged_against_its_uniform_twin(tmp_path):
         write_json(base / "drafters/block-kv-d2-decay/train_log.json", train_log("kv", 0.5, 0.1, 0.4))
         write_json(base / "drafters/block-kv-d2-decay/metrics.json", {"eval": {}})
         write_json(base / "drafters/block-kv-d2-decay/config.json", {"paradigm": "block", "block_context": "kv"})
-        write_json(base / "drafters/block-kv-d2-decay/variant.json", {"name": "block-kv-d2-decay", "position_decay": 0.8})
+        write_json(base / "drafters/block-kv-d2-decay/variant.json", {"name": "block-kv-d2-decay", **entry})
         verdicts = run_blockwise_report(str(root), [*BLOCK_SPEC, "block-kv-d2-decay"], list(CHAIN_ALPHAS),
                                         str(root / "figures/blockwise.pdf"), str(base / "blockwise.csv"),
                                         str(base / "claims.md"), str(base / "claims.json"))
-        ablation = [v for c, v in verdicts.items() if c.startswith("block position weights 0.8^k")]
+        ablation = [v for c, v in verdicts.items() if c.startswith(claim)]
         assert ablation == [expect], verdicts
         assert verdicts["block-wise training rescues long-range KV drafting"] == REPRODUCED   # the uniform d2 block
         rows = {r["variant"]: r for r in csv.DictReader(open(base / "blockwise.csv"))}
-        assert rows["block-kv-d2-decay"]["kind"] == "ablation" and float(rows["block-kv-d2-decay"]["position_decay"]) == 0.8
+        assert rows["block-kv-d2-decay"]["kind"] == "ablation"
+        assert float(rows["block-kv-d2-decay"]["position_decay"]) == entry.get("position_decay", 1.0)
+        assert int(rows["block-kv-d2-decay"]["refine_passes"]) == entry.get("refine_passes", 0)
         assert rows["block-kv-d2"]["kind"] == "block" and float(rows["block-kv-d2"]["position_decay"]) == 1.0
 
 

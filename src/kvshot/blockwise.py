@@ -7,7 +7,9 @@ The objective: for many anchors t of every sequence in one call, the drafter's b
 against the target's distribution for x_{t+k+2} on the draft vocabulary, the same soft
 cross-entropy and masks as TTT step k (`ttt.step_losses`), weighted position_decay ** k
 (`drafters.block_position_decay`, default 1.0: uniform). There is no unroll: each position's
-loss reaches every slot's W_K/W_V through the block's bidirectional attention.
+loss reaches every slot's W_K/W_V through the block's bidirectional attention. A drafter with
+refinement passes (`refine_passes`) is scored on every pass while training, each pass's
+predictions as rows of the same position, and drafts with its last.
 """
 from __future__ import annotations
 
@@ -47,17 +49,21 @@ def block_unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int | None =
     rows = torch.arange(b * t, device=ids.device) if rows is None else rows
     state.pack(rows)
     row_anchors = state.anchors                                               # [1, R]: t of each row
-    h = drafter.draft_block(state, at_rows(ids, rows, 1), row_anchors + 1)[0]  # [R, S, H]
+    earlier: list[Tensor] = []
+    h = drafter.draft_block(state, at_rows(ids, rows, 1), row_anchors + 1, earlier)[0]  # [R, S, H]
+    # training scores every refinement pass, as extra rows of the same position; otherwise the draft (last pass)
+    scored = [p[0] for p in earlier] + [h] if drafter.training else [h]
+    n = len(scored)
     valid = [at_rows(loss_mask, rows, k + 2, False)[0] for k in range(steps)]
     everyone = torch.arange(len(rows), device=ids.device)
     keep = [v.nonzero().view(-1) if skip_unlabelled else everyone for v in valid]
-    logits = drafter.logits(torch.cat([h[r, k + 1] for k, r in enumerate(keep)])[None])
+    logits = drafter.logits(torch.cat([x[r, k + 1] for k, r in enumerate(keep) for x in scored])[None])
     out = Unrolled([], [], [])
-    for k, part in enumerate(logits.split([len(r) for r in keep], dim=1)):
+    for k, part in enumerate(logits.split([len(r) * n for r in keep], dim=1)):
         out.logits.append(part)
-        out.valid.append(valid[k][keep[k]][None])
-        out.rows.append(rows[keep[k]])
-        out.anchors.append(row_anchors[:, keep[k]])
+        out.valid.append(valid[k][keep[k]].repeat(n)[None])
+        out.rows.append(rows[keep[k]].repeat(n))
+        out.anchors.append(row_anchors[:, keep[k]].repeat(1, n))
     return out
 
 

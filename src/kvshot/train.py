@@ -85,6 +85,7 @@ def build_variant(v: dict, target_cfg, embed: torch.Tensor, d2t: torch.Tensor, t
         rms_norm_eps=target_cfg.rms_norm_eps, kv_layers=list(kv_layers) if reads_kv else [],
         gate_shape=v.get("gate_shape", "scalar"), gate_init=float(v.get("gate_init", 0.5)),
         qk_norm=bool(v.get("qk_norm", True)), block_size=int(v.get("block_size") or 0),
+        block_refine=int(v.get("refine_passes") or 0),
         block_context=v.get("context", "kv"))
     model = build_drafter(dc)
     model.set_vocab(embed, d2t)

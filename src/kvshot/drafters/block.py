@@ -9,6 +9,12 @@ keys are laid out as each row's `Diagonal` keys) and the context keys of anchors
 No slot reads a drafted token, so the block's positions share no sequential unroll: training
 scores all of them in one call and every slot's W_K/W_V key is in every slot's attention.
 
+Refinement (`cfg.block_refine` passes, default 0): the block is run again with each mask slot
+j >= 1 reading its mask embedding plus the embedding of the previous pass's greedy token for
+x_{t+j} (slot j - 1's prediction), so a slot sees a guess of every token before it; the last
+pass's outputs are the draft. The guesses are argmax tokens (no gradient flows through them);
+training scores every pass (`blockwise.block_unroll`).
+
 How it reads the target is the one thing the variants differ in (`cfg.block_context`):
   kv      the target's KV cache of the mapped layers, the KV-only paradigm's context (`kv_state`);
   hidden  the fused aux hidden states of every anchor, projected by each layer's own W_K/W_V to
@@ -77,18 +83,31 @@ class BlockDrafter(Drafter):
         return [(l, layer.self_attn) for l, layer in zip(self.cfg.kv_layers, self.layers)]
 
     # -------------------------------------------------------------- the block forward
-    def draft_block(self, state: StepState, first_ids: Tensor, positions: Tensor) -> Tensor:
-        """One forward for every anchor row of `state`: first_ids [B, R] the token x_{t+1} of each
-        row and positions [B, R] its position t+1. Returns the slots' output hidden states
-        [B, R, S, H] (slot j at position t+1+j). The state's rows become (anchor, slot) rows."""
+    def draft_block(self, state: StepState, first_ids: Tensor, positions: Tensor,
+                    passes: list[Tensor] | None = None) -> Tensor:
+        """One forward (plus cfg.block_refine refinement passes) for every anchor row of `state`:
+        first_ids [B, R] the token x_{t+1} of each row and positions [B, R] its position t+1.
+        Returns the last pass's slot output hidden states [B, R, S, H] (slot j at position t+1+j);
+        `passes`, if given, receives every earlier pass's. The state's rows become (anchor, slot) rows."""
         b, r = first_ids.shape
         s = self.cfg.block_size
-        emb = self.embed_tokens(first_ids)
-        masks = self.mask_embed.to(emb.dtype).expand(b, r, s - 1, -1)
-        h = torch.cat([emb[:, :, None], masks], dim=2).reshape(b, r * s, -1)
+        first = self.embed_tokens(first_ids)[:, :, None]
+        masks = self.mask_embed.to(first.dtype).expand(b, r, s - 1, -1)
         slots = torch.arange(s, device=positions.device)
         rot = self.rotary((positions[..., None] + slots).reshape(b, r * s))
         state.spread_steps(s)   # rows (anchor, slot), anchor-major: each slot sees its anchor's context
+        h = self._block_pass(state, torch.cat([first, masks], dim=2), rot)
+        for _ in range(self.cfg.block_refine):
+            if passes is not None:
+                passes.append(h)
+            with torch.no_grad():   # slot j's guess of x_{t+j}: slot j - 1's greedy token
+                guess = self.d2t[self.logits(h[:, :, :-1]).argmax(-1)]
+            h = self._block_pass(state, torch.cat([first, masks + self.embed_tokens(guess)], dim=2), rot)
+        return h
+
+    def _block_pass(self, state: StepState, slot_inputs: Tensor, rot) -> Tensor:
+        b, r, s, _ = slot_inputs.shape
+        h = slot_inputs.reshape(b, r * s, -1)
         for i, layer in enumerate(self.layers):
             q, keys = layer.self_attn.project(layer.attn_norm(h), rot)
             own = Diagonal(block_keys(keys.k, s), block_keys(keys.v, s))   # bidirectional: all slots seen

@@ -49,6 +49,7 @@ class DrafterConfig:
     qk_norm: bool = True               # Qwen3's q/k RMSNorm; False: a Llama-style layer (EAGLE-3's)
     block_size: int = 0                # block paradigm: query slots per block (x_{t+1}, then block_size - 1 masks)
     block_context: str = "kv"          # block paradigm: kv (the target's KV cache) | hidden (fused aux hidden states)
+    block_refine: int = 0              # block paradigm: refinement passes, each re-reading the previous pass's tokens
 
     def save(self, path: Path) -> None:
         # HF-style self-description first (docs/drafter_format.md), then the fields

@@ -110,7 +110,8 @@ def depth(variants: list[Variant], path) -> None:
                        zorder=4, label="fewer rounds than the minimum")
         under = with_protocol(variants, protocol)
         blocks = {v.layers: v for v in sorted(under, key=lambda v: v.layers) if v.paradigm == "block"
-                  and v.train.get("block_context", "kv") == "kv" and v.train.get("position_decay") is None}
+                  and v.train.get("block_context", "kv") == "kv" and v.train.get("position_decay") is None
+                  and not v.train.get("refine_passes")}
         if blocks:
             bs = sorted(blocks)
             bm = [blocks[d].stepwise["mat"] for d in bs]
