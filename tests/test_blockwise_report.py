@@ -240,6 +240,11 @@ def test_readme_carries_the_blockwise_block(tmp_path):
     up = {f"block-kv-d{d}": [min(a + 0.15, 0.99) for a in CHAIN_ALPHAS[f"kv-d{d}"]] for d in (1, 2, 4)}
     up["block-hidden"] = [0.70, 0.60, 0.50, 0.40, 0.35, 0.30, 0.25]
     root = write_block_results(tmp_path, up)
+    from kvshot.io import write_json
+
+    from .test_claims import stepwise_record
+    few = stepwise_record(up["block-hidden"], "block", 1, rounds=40)   # 40 rounds: too few reach step 6
+    write_json(root / "blockwise/eval/block-hidden/stepwise.json", few)
     block_report(root)
     readme = tmp_path / "README.md"
     readme.write_text("# x\n<!-- results:start -->\nold\n<!-- results:end -->\nmid\n"
@@ -248,5 +253,9 @@ def test_readme_carries_the_blockwise_block(tmp_path):
     text = readme.read_text()
     block = text.split("<!-- blockwise:start -->")[1].split("<!-- blockwise:end -->")[0]
     assert "stale" not in block and text.endswith("after\n") and "\nmid\n" in text
-    assert "| block-kv-d2 | block | kv | 2 | 1.000 | 0.750 | 0.620 |" in block   # alpha_0 0.60 + 0.15, alpha_6 0.47 + 0.15
+    row = next(line for line in block.splitlines() if line.startswith("| block-kv-d2 |"))
+    assert row.startswith("| block-kv-d2 | block | kv | 2 | 1.000 | 0 | 0.750 | ")   # alpha_0 0.60 + 0.15
+    assert "| 0.620 |" in row   # alpha_6 0.47 + 0.15, on enough rounds
+    hidden = next(line for line in block.splitlines() if line.startswith("| block-hidden |")).split(" | ")
+    assert hidden[6] == "0.700" and hidden[8] == "insufficient data" and int(hidden[9]) < 30   # alpha_6, n_6
     assert "block-wise training rescues long-range KV drafting" in block and "**reproduced**" in block

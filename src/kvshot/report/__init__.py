@@ -7,7 +7,7 @@ from ..io import read_json, write_json, write_text
 from .claims import claims_markdown, evaluate_claims
 from .figures import FIGURES
 from .results import load_variants
-from .tables import time_capped, write_tables
+from .tables import INSUFFICIENT, time_capped, write_tables
 
 
 def run_report(results: str, variants: list[str], tables_dir: str, figures_dir: str, claims_md: str,
@@ -91,9 +91,10 @@ def _replace_block(text: str, readme: str, start: str, end: str, block: str) -> 
 
 BLOCKWISE_START, BLOCKWISE_END = "<!-- blockwise:start -->", "<!-- blockwise:end -->"
 BLOCKWISE_COLUMNS = {"variant": "variant", "kind": "kind", "context": "context", "layers": "layers",
-                     "position_decay": "position weight ratio", "alpha_0": "alpha_0", "alpha_last": None, "MAT": "MAT",
+                     "position_decay": "position weight ratio", "refine_passes": "refine passes",
+                     "alpha_0": "alpha_0", "n_0": "n_0", "alpha_last": None, "n_last": None, "MAT": "MAT",
                      "MAT_ci": "MAT 95% CI", "kv_grad_ratio": "grad W_K,W_V / W_Q,W_O", "tau_chain": "tau (chain)",
-                     "draft_s_per_round": "draft s/round", "lossless": "lossless"}
+                     "draft_ms": "draft ms/round", "lossless": "lossless"}
 
 
 def _cell(text: str | None) -> str:
@@ -116,16 +117,22 @@ def blockwise_readme_block(results: str) -> str:
     base = Path(results) / "blockwise"
     with open(base / "blockwise.csv", newline="") as f:
         reader = csv.DictReader(f)
-        last = "alpha_%d" % max(int(c.split("_")[1]) for c in reader.fieldnames if c[6:].isdigit() and c[:6] == "alpha_")
+        k = max(int(c.split("_")[1]) for c in reader.fieldnames if c[6:].isdigit() and c[:6] == "alpha_")
+        labels = {"alpha_last": f"alpha_{k}", "n_last": f"n_{k}"}
         rows = []
         for r in reader:
-            r["MAT_ci"], r["alpha_last"] = f"[{_cell(r.get('MAT_lo'))}, {_cell(r.get('MAT_hi'))}]", r[last]
-            rows.append({label or last: r[col] if col == "MAT_ci" else _cell(r.get(col))
+            r["alpha_last"], r["n_last"] = r[f"alpha_{k}"], r[f"n_{k}"]
+            for a, n in (("alpha_0", "n_0"), ("alpha_last", "n_last")):   # the minimum-rounds rule, as in the main tables
+                if int(r[n]) < int(r["min_rounds"]):
+                    r[a] = INSUFFICIENT
+            r["MAT_ci"] = f"[{_cell(r.get('MAT_lo'))}, {_cell(r.get('MAT_hi'))}]"
+            r["draft_ms"] = f"{1000 * float(r['draft_s_per_round']):.2f}" if r.get("draft_s_per_round") else ""
+            rows.append({label or labels[col]: r[col] if col in ("MAT_ci", "draft_ms") else _cell(r.get(col))
                          for col, label in BLOCKWISE_COLUMNS.items()})
     claims = read_json(base / "claims.json")
     text = claims_markdown(claims).replace("# Claims verdict", "Verdicts (`results/blockwise/claims.md`):")
     text = text.replace("by `kvshot report`", "by `kvshot blockwise-report`")
     return "\n".join([BLOCKWISE_START, "", "Block and chain drafters on the judged protocol (`results/blockwise/blockwise.csv`; "
-                      "alpha_k per block position = chain step; grad: the median over training of the KV path's "
-                      "gradient ratio; remedies: `results/blockwise/remedies.csv`):", "",
+                      "alpha_k per block position = chain step, n_k the rounds it rests on; grad: the median over "
+                      "training of the KV path's gradient ratio; remedies: `results/blockwise/remedies.csv`):", "",
                       _markdown(rows), text, BLOCKWISE_END])

@@ -79,7 +79,10 @@ def decay(variants: list[Variant], path) -> None:
                      f"hollow: fewer than {min_rounds} rounds)", fontsize=10)
         ax.set_xlim(-0.3, last + 1.2)
         ax.set_ylim(0, 1)
-        ax.legend(fontsize=8, loc="lower left")
+        if len(variants) <= 8:
+            ax.legend(fontsize=8, loc="lower left")
+        elif col == len(protocols) - 1:   # many lines (the block-wise target's redraw): one legend beside the plots
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
         axn.axhline(min_rounds, color="black", linestyle="--", linewidth=1, label=f"minimum ({min_rounds})")
         axn.set_yscale("symlog", linthresh=1)          # log-like, and 0 rounds stays drawable
         axn.set_ylim(bottom=0)
