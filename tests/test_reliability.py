@@ -63,6 +63,8 @@ CASES = [
         {"name": "kv-d1", "paradigm": "block", "context": "kv", "layers": 1}), "blockwise.variants.2.name", "defined twice"),
     ("block-KV variant deeper than the target", lambda c: c.setdefault("blockwise", {}).setdefault("variants", []).append(
         {"name": "bk5", "paradigm": "block", "context": "kv", "layers": 5}), "blockwise.variants.2.layers", "4-layer target"),
+    ("block setting on a chain drafter", lambda c: _variant(c, "kv-d2").update(refine_passes=1),
+     "drafters.variants.2.refine_passes", "a block setting, and variant kv-d2 is kv"),
     ("block-KV layers not captured", lambda c: (
         _set(c, "features.kv_layers", [2, 3]), c["drafters"]["variants"].remove(_variant(c, "kv-d4")),
         c.setdefault("blockwise", {}).setdefault("variants", []).append(

@@ -64,6 +64,10 @@ def missing_local_path(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
 
 
+PARADIGM_FIELDS = {"context": "block", "block_size": "block", "position_decay": "block", "refine_passes": "block",
+                   "kv_warmup_steps": "hybrid", "gate_shape": "hybrid", "gate_init": "hybrid"}
+
+
 def all_variants(cfg: dict) -> list[tuple[list[str], dict]]:
     """(config path, entry) of every drafter variant: drafters.variants, then the block-wise
     target's blockwise.variants and blockwise.remedies."""
@@ -87,6 +91,9 @@ def check_consistency(cfg: dict, fail: Callable[[list[str], str], None]) -> None
             if v["name"] in seen:
                 fail(path + ["name"], f"{v['name']!r} is defined twice (also {seen[v['name']]}); names must be unique")
             seen[v["name"]] = ".".join(path)
+            for key, paradigm in PARADIGM_FIELDS.items():   # a setting another paradigm would silently ignore
+                if key in v and v["paradigm"] != paradigm:
+                    fail(path + [key], f"a {paradigm} setting, and variant {v['name']} is {v['paradigm']}")
         tc = drafters["train"]
         if drafters["ttt_steps"] + 2 > tc["max_len"]:
             fail(["drafters", "ttt_steps"], f"{drafters['ttt_steps']} steps need sequences of at least "
