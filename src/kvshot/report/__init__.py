@@ -130,8 +130,11 @@ def blockwise_readme_block(results: str) -> str:
             rows.append({label or labels[col]: r[col] if col in ("MAT_ci", "draft_ms") else _cell(r.get(col))
                          for col, label in BLOCKWISE_COLUMNS.items()})
     claims = read_json(base / "claims.json")
-    text = claims_markdown(claims).replace("# Claims verdict", "Verdicts (`results/blockwise/claims.md`):")
-    text = text.replace("by `kvshot report`", "by `kvshot blockwise-report`")
+    protocol = next((c["protocol"] for c in claims if c.get("protocol")), None)
+    lines = [f"Verdicts (tests, numbers and notes: `results/blockwise/claims.md`"
+             + (f"; judged on the `{protocol}` protocol" if protocol else "") + "):", ""]
+    lines += [f"- {c['claim']}: **{c['verdict']}**" + (f" ({c['seeds']} seeds)" if c.get("seeds") else "") for c in claims]
+    text = "\n".join(lines) + "\n"
     return "\n".join([BLOCKWISE_START, "", "Block and chain drafters on the judged protocol (`results/blockwise/blockwise.csv`; "
                       "alpha_k per block position = chain step, n_k the rounds it rests on; grad: the median over "
                       "training of the KV path's gradient ratio; remedies: `results/blockwise/remedies.csv`):", "",
