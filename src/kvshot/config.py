@@ -17,7 +17,7 @@ import jsonschema
 import yaml
 
 from . import taps
-from .checks import check_consistency
+from .checks import all_variants, check_consistency  # noqa: F401  (all_variants: every drafter variant entry)
 
 SECTIONS = ("data", "tokenizer", "target", "features", "drafters", "eval", "scaling")
 GLOBALS = ("seed", "device", "dtype", "threads")

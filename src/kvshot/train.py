@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .blockwise import any_unroll, block_attention_diagnostics, block_key_share, is_block, objective, training_forward
-from .config import ConfigError, Runtime, drafter_autocast
+from .config import ConfigError, Runtime, all_variants, drafter_autocast
 from .diagnostics import attention_diagnostics
 from .drafters import Drafter, DrafterConfig, build_drafter
 from .drafters.attention import use_attention
@@ -41,8 +41,7 @@ def launcher_args(num_processes: int) -> list[str]:
 def variant_config(cfg: dict, name: str) -> dict:
     """A variant's settings: the drafter defaults, its own entry, and its train overrides."""
     dcfg = cfg["drafters"]
-    extra = cfg.get("blockwise") or {}   # block variants and gate remedies (workflow/rules/blockwise.smk)
-    entries = {v["name"]: v for v in dcfg["variants"] + extra.get("variants", []) + extra.get("remedies", [])}
+    entries = {v["name"]: v for _, v in all_variants(cfg)}   # with the block variants and gate remedies
     if name not in entries:
         raise ConfigError(f"config: drafters.variants: no variant named {name!r} (have {sorted(entries)})")
     v = copy.deepcopy(entries[name])

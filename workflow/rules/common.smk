@@ -6,7 +6,7 @@ from pathlib import Path
 SRC = str(Path(workflow.basedir) / "src")
 sys.path.insert(0, SRC)
 
-from kvshot.config import ConfigError, fill_defaults, stage_config, validate_config  # noqa: E402
+from kvshot.config import ConfigError, all_variants, fill_defaults, stage_config, validate_config  # noqa: E402
 
 SPLITS = ["train", "eval"]
 VARIANTS = [v["name"] for v in config["drafters"]["variants"]]
@@ -53,9 +53,7 @@ def variant_params(*sections):
 
     def params(wildcards):
         cfg = stage_config(config, *sections)
-        extra = config.get("blockwise") or {}
-        entries = config["drafters"]["variants"] + extra.get("variants", []) + extra.get("remedies", [])
-        own = [v for v in entries if v["name"] == wildcards.variant]
+        own = [v for _, v in all_variants(config) if v["name"] == wildcards.variant]
         cfg["drafters"] = {**cfg["drafters"], "variants": own}
         return json.dumps(cfg, sort_keys=True)
 

@@ -7,7 +7,7 @@ from ..io import read_json, write_json, write_text
 from .claims import claims_markdown, evaluate_claims
 from .figures import FIGURES
 from .results import load_variants
-from .tables import INSUFFICIENT, time_capped, write_tables
+from .tables import _rate, time_capped, write_tables
 
 
 def run_report(results: str, variants: list[str], tables_dir: str, figures_dir: str, claims_md: str,
@@ -123,8 +123,7 @@ def blockwise_readme_block(results: str) -> str:
         for r in reader:
             r["alpha_last"], r["n_last"] = r[f"alpha_{k}"], r[f"n_{k}"]
             for a, n in (("alpha_0", "n_0"), ("alpha_last", "n_last")):   # the minimum-rounds rule, as in the main tables
-                if int(r[n]) < int(r["min_rounds"]):
-                    r[a] = INSUFFICIENT
+                r[a] = _rate(r[a], int(r[n]) >= int(r["min_rounds"]))
             r["MAT_ci"] = f"[{_cell(r.get('MAT_lo'))}, {_cell(r.get('MAT_hi'))}]"
             r["draft_ms"] = f"{1000 * float(r['draft_s_per_round']):.2f}" if r.get("draft_s_per_round") else ""
             rows.append({label or labels[col]: r[col] if col in ("MAT_ci", "draft_ms") else _cell(r.get(col))

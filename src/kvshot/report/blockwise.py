@@ -18,30 +18,11 @@ from ..io import read_json, write_json, write_text
 from .claims import (GATE_COLLAPSE_RATIO, INCONCLUSIVE, MISSING, NOT_REPRODUCED, REPRODUCED, Judge, _gate_claim,
                      agree, alpha_at, claim, claims_markdown, combine, mat_of)
 from .figures import _err, _save, _style, decay, depth, plt
-from .results import Variant, judged_protocol, load_variants, seed_folders, seed_runs, with_protocol
+from .results import (Variant, block_context, is_ablation, judged_protocol, load_variants, position_decay,
+                      refine_passes, seed_folders, seed_runs, with_protocol)
 from .tables import write_rows
 
 CONTEXT_OF = {"kv": "KV cache", "hidden": "fused hidden states"}
-
-
-def block_context(v: Variant) -> str:
-    """What a block variant reads of the target: its drafter config's block_context, which
-    `run_blockwise_report` puts beside its metrics."""
-    return v.train.get("block_context", "kv")
-
-
-def position_decay(v: Variant) -> float | None:
-    """A block variant's own position_decay (variant.json): set only on the position-weight ablations."""
-    return v.train.get("position_decay")
-
-
-def refine_passes(v: Variant) -> int:
-    """A block variant's refinement passes (variant.json): > 0 only on the refinement ablations."""
-    return int(v.train.get("refine_passes") or 0)
-
-
-def is_ablation(v: Variant) -> bool:
-    return position_decay(v) is not None or refine_passes(v) > 0
 
 
 def ablation_what(v: Variant) -> str:
@@ -313,8 +294,10 @@ def run_blockwise_report(results: str, block_names: list[str], chain_names: list
         write_rows(remedy_rows(remedies + hybrids), Path(table).with_name("remedies.csv"))
     blockwise_figure(block, chain, figure)
     if decay_figure or depth_figure:
-        main = load_variants(results, list(main_names or chain_names))
-        everyone = main + block + remedies
+        loaded = {v.name: v for v in chain + hybrids}
+        names = list(main_names or chain_names)
+        rest = {v.name: v for v in load_variants(results, [n for n in names if n not in loaded])}
+        everyone = [loaded.get(n) or rest[n] for n in names] + block + remedies
         if decay_figure:
             decay(everyone, decay_figure)
         if depth_figure:

@@ -10,7 +10,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from ..io import atomic_file  # noqa: E402
-from .results import PAPER, Variant, judged_protocol, protocol_names, roles, with_protocol  # noqa: E402
+from .results import (PAPER, Variant, block_context, is_ablation, judged_protocol, protocol_names,  # noqa: E402
+                      roles, with_protocol)
 
 PAPER_STYLE = {"marker": "X", "s": 90, "color": "black", "zorder": 5}
 
@@ -112,9 +113,8 @@ def depth(variants: list[Variant], path) -> None:
             ax.scatter(few, [r["kv"][d].stepwise["mat"] for d in few], s=120, facecolors="white", edgecolors="red",
                        zorder=4, label="fewer rounds than the minimum")
         under = with_protocol(variants, protocol)
-        blocks = {v.layers: v for v in sorted(under, key=lambda v: v.layers) if v.paradigm == "block"
-                  and v.train.get("block_context", "kv") == "kv" and v.train.get("position_decay") is None
-                  and not v.train.get("refine_passes")}
+        blocks = {v.layers: v for v in sorted(under, key=lambda v: v.layers)
+                  if v.paradigm == "block" and block_context(v) == "kv" and not is_ablation(v)}
         if blocks:
             bs = sorted(blocks)
             bm = [blocks[d].stepwise["mat"] for d in bs]

@@ -37,6 +37,29 @@ class Variant:
         return f"{self.name} ({kind}, {self.layers} layer{'s' if self.layers > 1 else ''})"
 
 
+# ---------------------------------------------------------------- a block variant's settings
+
+def block_context(v: Variant) -> str:
+    """What a block variant reads of the target: its drafter config's block_context, which
+    `report.blockwise.read_contexts` puts beside its metrics."""
+    return v.train.get("block_context", "kv")
+
+
+def position_decay(v: Variant) -> float | None:
+    """A block variant's own position_decay (variant.json): set only on the position-weight ablations."""
+    return v.train.get("position_decay")
+
+
+def refine_passes(v: Variant) -> int:
+    """A block variant's refinement passes (variant.json): > 0 only on the refinement ablations."""
+    return int(v.train.get("refine_passes") or 0)
+
+
+def is_ablation(v: Variant) -> bool:
+    """A block variant that differs from the plain block only by its position weights or refinement."""
+    return position_decay(v) is not None or refine_passes(v) > 0
+
+
 NUMERIC_STEPWISE = ("alpha", "alpha_observed", "acc", "alpha_ci", "alpha_jeffreys_ci", "cumulative", "cumulative_ci",
                     "mat", "mat_ci", "retention", "retention_observed", "retention_ci")
 
