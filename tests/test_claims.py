@@ -3,6 +3,7 @@ stepwise.json from per-sequence chain counts through the same `chain_summary` th
 uses, e2e.json as `e2e.summarize` writes it, and the drafters' train_log.json / metrics.json."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,9 @@ import torch
 
 from kvshot.io import write_json
 from kvshot.metrics import chain_summary
-from kvshot.report.claims import (INCONCLUSIVE, MISSING, NOT_REPRODUCED, OVERHEAD_BAND, REPRODUCED, Estimate,
-                                  evaluate_claims, greater)
+from kvshot.resample import panel, panel_record
+from kvshot.report.claims import (INCONCLUSIVE, MISSING, NOT_REPRODUCED, OVERHEAD_BAND, REPRODUCED,
+                                  evaluate_claims)
 from kvshot.report.results import PAPER, load_variants
 from kvshot.stepwise import by_context
 
@@ -23,7 +25,7 @@ ALPHAS = {
     "eagle3": [0.80, 0.72, 0.65, 0.60, 0.55, 0.50, 0.47],
     "kv-d1": [0.50, 0.45, 0.42, 0.40, 0.38, 0.36, 0.35],
     "kv-d2": [0.60, 0.55, 0.52, 0.50, 0.49, 0.48, 0.47],
-    "kv-d4": [0.62, 0.58, 0.56, 0.54, 0.53, 0.52, 0.51],
+    "kv-d4": [0.62, 0.60, 0.59, 0.58, 0.58, 0.57, 0.57],
     "hybrid": [0.85, 0.78, 0.72, 0.68, 0.66, 0.65, 0.64],
     "standalone": [0.95, 0.94, 0.93, 0.92, 0.91, 0.90, 0.89],   # a baseline above everything: in no claim
 }
@@ -31,31 +33,35 @@ MIN_ROUNDS = 30
 E2E = "marginal E2E gain, 5-10% drafting overhead"
 
 
-def chain_counts_for(alphas: list[float], rounds: int, sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence reached/accepted counts [S, K] whose pooled alpha_k is alphas[k] (rounded)."""
-    reached, accepted, n = [], [], rounds
-    for a in alphas:
-        reached.append(n)
-        n = round(n * a)
-        accepted.append(n)
-    return torch.tensor([reached] * sequences), torch.tensor([accepted] * sequences)
+def chain_lengths(alphas: list[float], anchors: int, seeds: int = 1, draw: int = 0) -> torch.Tensor:
+    """[seeds, anchors] accepted runs drawn from the chain model: step k accepted with alphas[k]."""
+    gen = torch.Generator().manual_seed(1_000_003 * draw + round(sum(a * 10 ** (2 * i) for i, a in enumerate(alphas))))
+    ok = torch.rand(seeds, anchors, len(alphas), generator=gen) < torch.tensor(alphas)
+    return torch.cumprod(ok.long(), dim=2).sum(2)
 
 
-def stepwise_record(alphas: list[float], paradigm: str, layers: int, rounds: int = 200_000, seed: int = 0,
-                    protocol: str = "continuations", repetition: float = 0.10) -> dict:
-    """stepwise.json for `rounds` drafting rounds spread over up to 20 prompts (100 rounds each at least),
-    whose reference tokens repeat an earlier 4-gram at the share `repetition`."""
-    sequences = max(1, min(20, rounds // 100))
-    reached, accepted = chain_counts_for(alphas, rounds // sequences, sequences)
+def stepwise_record(alphas: list[float] | list[list[float]], paradigm: str, layers: int, rounds: int = 30_000,
+                    seed: int = 0, protocol: str = "continuations", repetition: float = 0.10) -> dict:
+    """stepwise.json for `rounds` anchors (one round each) over 300 prompts, shared by every
+    variant written with the same `rounds`, chains drawn with alpha_k; alphas a list per seed:
+    one row of the panel per seed. The reference tokens repeat an earlier 4-gram at `repetition`."""
+    per_seed = alphas if isinstance(alphas[0], list) else [alphas]
+    sequences = max(1, min(300, rounds // 100))
+    lengths = torch.cat([chain_lengths(a, rounds, draw=seed * 7 + i) for i, a in enumerate(per_seed)])
+    anchors = panel(lengths, torch.arange(rounds) * sequences // rounds, len(per_seed[0]),
+                    keys=[(f"p{j * sequences // rounds}", j) for j in range(rounds)])
     tokens = 10_000
     # 100 anchors per context bucket; row i accepts step k while i < accepted_k (a chain)
-    accepted_per_bucket = chain_counts_for(alphas, 100, 1)[1][0]
-    correct = torch.arange(100)[:, None] < accepted_per_bucket[None]
+    first = per_seed[0]
+    accepted_per_bucket = [round(100 * math.prod(first[: k + 1])) for k in range(len(first))]
+    correct = torch.arange(100)[:, None] < torch.tensor(accepted_per_bucket)[None]
     contexts = torch.tensor([c for c in (50, 200, 400, 700) for _ in range(100)])
-    return {"by_context": by_context(contexts, correct.repeat(4, 1), [128, 256, 512]), "acc": alphas, "sequences": sequences, "steps": len(alphas), "paradigm": paradigm, "layers": layers,
+    return {"by_context": by_context(contexts, correct.repeat(4, 1), [128, 256, 512]), "acc": first, "sequences": sequences,
+            "steps": len(first), "paradigm": paradigm, "layers": layers,
             "protocol": protocol, "max_repetition": 0.25,
             "repetition": {"share": repetition, "repeated": round(repetition * tokens), "tokens": tokens, "ngram": 4},
-            **chain_summary(reached, accepted, samples=200, seed=seed, min_rounds=MIN_ROUNDS)}
+            "anchors_panel": panel_record(anchors, list(range(len(per_seed)))),
+            **chain_summary(anchors, samples=200, seed=seed, min_rounds=MIN_ROUNDS)}
 
 
 def train_log(paradigm: str, gate_final: float, own_key_mass: float | None, grad_ratio: float,
@@ -87,14 +93,15 @@ def e2e_record(tau: float, draft_s: float, rounds: int) -> dict:
     return {"modes": {"chain": mode, "tree": mode}, "baseline": {"tokens_per_s": 200}}
 
 
-def write_results(root: Path, alphas: dict = ALPHAS, rounds: dict | None = None, gate_final: float = 0.05,
+def write_results(root: Path, alphas: dict = ALPHAS, rounds: int | None = None, gate_final: float = 0.05,
                   tau: tuple = (3.0, 3.05), draft_s: tuple = (0.010, 0.0108), e2e_rounds: int = 400,
                   own_key_mass: float | None = 0.05, grad_ratio: float = 0.05, seeds: list[dict] | None = None,
                   gate_share_final: float | None = None, repetition: float = 0.10,
                   natural: dict | None = None, natural_repetition: float = 0.03) -> Path:
-    """One study's result files. seeds: per-seed overrides of the keyword arguments (each seed's
-    records go into the `per_seed` lists of the same files). natural: alphas of a second,
-    natural-text protocol (stepwise_natural.json) with its own reference repetition."""
+    """One study's result files, every variant scored on the same `rounds` anchors. seeds:
+    per-seed overrides of the keyword arguments (each seed's records go into the `per_seed`
+    lists of the same files, and its chains into the pooled record's panel). natural: alphas of
+    a second, natural-text protocol (stepwise_natural.json) with its own reference repetition."""
     seeds = seeds or []
     for name in NAMES:
         paradigm, layers = SPEC[name]
@@ -103,7 +110,7 @@ def write_results(root: Path, alphas: dict = ALPHAS, rounds: dict | None = None,
         def records(alphas=alphas, rounds=rounds, gate_final=gate_final, tau=tau, draft_s=draft_s,
                     e2e_rounds=e2e_rounds, own_key_mass=own_key_mass, grad_ratio=grad_ratio, seed=0,
                     gate_share_final=gate_share_final):
-            sw = stepwise_record(alphas[name], paradigm, layers, rounds=(rounds or {}).get(name, 200_000), seed=seed,
+            sw = stepwise_record(alphas[name], paradigm, layers, rounds=rounds or 30_000, seed=seed,
                                  repetition=repetition)
             e2e = e2e_record(tau[is_h], draft_s[is_h], e2e_rounds)
             return sw, e2e, train_log(paradigm, gate_final, own_key_mass, grad_ratio, gate_share_final)
@@ -112,6 +119,8 @@ def write_results(root: Path, alphas: dict = ALPHAS, rounds: dict | None = None,
         per_seed = [records(**(s | {"seed": i + 1})) for i, s in enumerate(seeds)]
         metrics = {"eval": {"query_cosine": [0.3] * 7 if paradigm in ("kv", "hybrid") else None}}
         if per_seed:
+            pooled = [(s.get("alphas") or alphas)[name] for s in seeds]
+            sw = stepwise_record(pooled, paradigm, layers, rounds=rounds or 30_000, repetition=repetition)
             sw["per_seed"] = [s for s, _, _ in per_seed]
             e2e["per_seed"] = [e for _, e, _ in per_seed]
             metrics["per_seed"] = [{"train_log": lg} for _, _, lg in per_seed]
@@ -160,28 +169,50 @@ def test_paper_shaped_results_reproduce_every_claim(tmp_path):
 
 @pytest.mark.parametrize("alphas,verdict", [
     (changed(**{"kv-d4": {6: 0.40}}), NOT_REPRODUCED),                  # KV-only decays worse than EAGLE-3
-    (changed(**{"kv-d4": {6: 0.475}}), INCONCLUSIVE),                   # intervals overlap
+    (changed(**{"kv-d4": {6: 0.475}}), INCONCLUSIVE),                   # a gap of 0.005: the interval holds 0
 ])
 def test_p1_long_range_advantage(tmp_path, alphas, verdict):
     assert verdicts(write_results(tmp_path, alphas=alphas))["P1 long-range advantage"] == verdict
 
 
-def test_p1_on_too_few_rounds_is_inconclusive_and_says_why(tmp_path):
-    # 400 rounds: eagle3 reaches step 6 in ~25 rounds, below the minimum of 30, yet the gap is large
-    alphas = changed(**{"kv-d4": {6: 0.95}, "eagle3": {6: 0.05}})
-    c = claims(write_results(tmp_path, alphas=alphas, rounds={"eagle3": 400}))["P1 long-range advantage"]
+def test_p1_on_too_few_anchors_is_inconclusive_and_says_why(tmp_path):
+    # eagle3 brings ~22 of 30,000 anchors to step 6 (0.3^6), below the minimum of 30, yet the gap is large
+    alphas = changed(**{"kv-d4": {6: 0.95}, "eagle3": [0.3] * 6 + [0.05]})
+    c = claims(write_results(tmp_path, alphas=alphas))["P1 long-range advantage"]
     assert c["verdict"] == INCONCLUSIVE
     assert "insufficient data" in c["numbers"]["eagle3"] and "alpha_6 of eagle3" in c["note"]
-    # the same gap on enough rounds decides
+    # the same gap on enough anchors (0.4^6: ~120) decides
+    alphas = changed(**{"kv-d4": {6: 0.95}, "eagle3": [0.4] * 6 + [0.05]})
     assert verdicts(write_results(tmp_path, alphas=alphas))["P1 long-range advantage"] == REPRODUCED
 
 
-@pytest.mark.parametrize("alphas,verdict", [
-    (changed(eagle3=[0.40] * 7), NOT_REPRODUCED),                       # EAGLE-3 below every KV-only depth
-    (changed(**{"kv-d2": ALPHAS["kv-d1"]}), INCONCLUSIVE),              # depth stops helping: equal MATs
+@pytest.mark.parametrize("claim,alphas,verdict", [
+    ("P2 EAGLE-3 above every KV-only depth", changed(eagle3=[0.40] * 7), NOT_REPRODUCED),
+    ("P2 KV-only depends on depth", changed(**{"kv-d2": ALPHAS["kv-d1"]}), INCONCLUSIVE),   # equal MATs
+    ("P2 KV-only depends on depth", changed(**{"kv-d1": ALPHAS["kv-d4"]}), NOT_REPRODUCED),
+    ("P2 diminishing returns with depth", changed(**{"kv-d4": [0.8] * 7}), NOT_REPRODUCED),  # 4 layers gain more
 ])
-def test_p2_depth_bottleneck(tmp_path, alphas, verdict):
-    assert verdicts(write_results(tmp_path, alphas=alphas))["P2 depth bottleneck"] == verdict
+def test_p2_is_three_statements(tmp_path, claim, alphas, verdict):
+    got = verdicts(write_results(tmp_path, alphas=alphas))
+    assert got[claim] == verdict
+    # each statement stands alone: changing one part of P2 leaves the others as they were
+    others = {"P2 KV-only depends on depth", "P2 diminishing returns with depth",
+              "P2 EAGLE-3 above every KV-only depth"} - {claim}
+    if claim == "P2 EAGLE-3 above every KV-only depth":
+        assert all(got[c] == REPRODUCED for c in others)
+
+
+def test_comparisons_carry_difference_interval_and_detectable_effect(tmp_path):
+    c = claims(write_results(tmp_path, alphas=changed(**{"kv-d4": {6: 0.475}})))["P1 long-range advantage"]
+    (comp,) = c["comparisons"]
+    assert comp["variants"] == ["kv-d4", "eagle3"] and comp["statistic"] == "alpha_6"
+    assert comp["ci"][0] < 0 < comp["ci"][1] and comp["verdict"] == INCONCLUSIVE
+    # the detectable effect is the interval's half-width scaled by (t_0.975 + t_0.8) / t_0.975
+    half = (comp["ci"][1] - comp["ci"][0]) / 2
+    assert comp["mde"] == pytest.approx(half * (1.96 + 0.8416) / 1.96, rel=0.01)
+    from kvshot.report.claims import claims_markdown
+
+    assert "detectable at 80% power" in claims_markdown([c])
 
 
 @pytest.mark.parametrize("alphas,verdict", [
@@ -200,12 +231,12 @@ def test_hybrid_best_stepwise(tmp_path, alphas, verdict):
     assert verdicts(write_results(tmp_path, alphas=alphas))["hybrid best step-wise"] == verdict
 
 
-@pytest.mark.parametrize("alphas,verdict", [
-    (changed(hybrid={6: 0.30}), NOT_REPRODUCED),                        # retention 0.35 < eagle3's 0.59
-    (changed(hybrid={6: 0.85 * 0.47 / 0.80}), INCONCLUSIVE),            # the same retention as eagle3
+@pytest.mark.parametrize("alphas,rounds,verdict", [
+    (changed(hybrid={6: 0.30}), None, NOT_REPRODUCED),                  # retention 0.35 < eagle3's 0.59
+    (changed(hybrid={6: 0.85 * 0.47 / 0.80}), 3000, INCONCLUSIVE),      # the same retention as eagle3
 ])
-def test_retention_gain(tmp_path, alphas, verdict):
-    assert verdicts(write_results(tmp_path, alphas=alphas))["long-range retention gain"] == verdict
+def test_retention_gain(tmp_path, alphas, rounds, verdict):
+    assert verdicts(write_results(tmp_path, alphas=alphas, rounds=rounds))["long-range retention gain"] == verdict
 
 
 @pytest.mark.parametrize("kwargs,verdict", [
@@ -288,24 +319,30 @@ def test_missing_inputs_read_not_measured(tmp_path):
 # ---------------------------------------------------------------- per-seed results
 
 def test_every_seed_agreeing_keeps_the_verdict(tmp_path):
-    seeds = [{}, {}]
+    seeds = [{}, {}, {}]
     got = claims(write_results(tmp_path, seeds=seeds))
-    assert {c["verdict"] for c in got.values()} == {REPRODUCED} and all(c["seeds"] == 2 for c in got.values())
+    assert {c["verdict"] for c in got.values()} == {REPRODUCED} and all(c["seeds"] == 3 for c in got.values())
+    p1 = got["P1 long-range advantage"]["comparisons"][0]
+    assert len(p1["per_seed_difference"]) == 3 and all(d > 0 for d in p1["per_seed_difference"])
 
 
 def test_one_seed_in_the_other_direction_makes_it_inconclusive(tmp_path):
-    # pooled: kv-d4 clearly ahead at step 6; seed 2: behind
-    seeds = [{}, {"alphas": changed(**{"kv-d4": {6: 0.40}})}]
-    got = verdicts(write_results(tmp_path, seeds=seeds))
-    assert got["P1 long-range advantage"] == INCONCLUSIVE
-    assert got["P3 short-range disadvantage"] == REPRODUCED
+    # two seeds: kv-d4 clearly ahead at step 6; the third: behind. The seeds' spread is in the interval.
+    seeds = [{}, {}, {"alphas": changed(**{"kv-d4": {6: 0.40}})}]
+    got = claims(write_results(tmp_path, seeds=seeds))
+    assert got["P1 long-range advantage"]["verdict"] == INCONCLUSIVE
+    assert got["P3 short-range disadvantage"]["verdict"] == REPRODUCED
+    # the same pooled gap without the seeds' spread decides: the width came from the seeds
+    agreeing = claims(write_results(tmp_path, seeds=[{}, {}, {}]))["P1 long-range advantage"]["comparisons"][0]
+    spread = got["P1 long-range advantage"]["comparisons"][0]
+    assert spread["ci"][1] - spread["ci"][0] > 2 * (agreeing["ci"][1] - agreeing["ci"][0])
 
 
 def test_a_reversed_claim_needs_every_seed_reversed(tmp_path):
     pooled = changed(**{"kv-d4": {6: 0.40}})
-    root = write_results(tmp_path, alphas=pooled, seeds=[{"alphas": pooled}, {"alphas": pooled}])
+    root = write_results(tmp_path, alphas=pooled, seeds=[{"alphas": pooled}] * 3)
     assert verdicts(root)["P1 long-range advantage"] == NOT_REPRODUCED
-    root = write_results(tmp_path, alphas=pooled, seeds=[{"alphas": pooled}, {"alphas": ALPHAS}])
+    root = write_results(tmp_path, alphas=pooled, seeds=[{"alphas": pooled}] * 2 + [{"alphas": ALPHAS}])
     assert verdicts(root)["P1 long-range advantage"] == INCONCLUSIVE
 
 
@@ -315,11 +352,12 @@ def test_diagnostics_need_every_seed_to_agree(tmp_path):
     assert got[E2E]["verdict"] == INCONCLUSIVE
 
 
-def test_greater_rules():
-    est = lambda v, lo, hi, n=100: Estimate("x", v, (lo, hi), n, MIN_ROUNDS)   # noqa: E731
-    assert greater(est(0.6, 0.55, 0.65), est(0.4, 0.35, 0.45)) == REPRODUCED
-    assert greater(est(0.4, 0.35, 0.45), est(0.6, 0.55, 0.65)) == NOT_REPRODUCED
-    assert greater(est(0.6, 0.55, 0.65), est(0.4, 0.35, 0.45, n=10)) == INCONCLUSIVE
-    assert greater(est(0.6, 0.55, 0.65), est(0.4, 0.35, 0.45), [(0.6, 0.4), (0.3, 0.5)]) == INCONCLUSIVE
-    assert greater(est(0.6, 0.55, 0.65), est(0.4, 0.35, 0.45), [(0.6, 0.4), (0.7, 0.5)]) == REPRODUCED
-    assert greater(est(float("nan"), 0.1, 0.9), est(0.4, 0.35, 0.45)) == INCONCLUSIVE
+def test_decide_reads_the_paired_interval():
+    from kvshot.report.claims import decide
+    from kvshot.resample import Interval
+
+    at = lambda lo, hi: Interval(0.0, lo, hi, 0.1, 50, 0.3)   # noqa: E731
+    assert decide(at(0.01, 0.2)) == REPRODUCED
+    assert decide(at(-0.2, -0.01)) == NOT_REPRODUCED
+    assert decide(at(-0.01, 0.2)) == INCONCLUSIVE
+    assert decide(at(float("nan"), float("nan"))) == INCONCLUSIVE

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from kvshot.metrics import (alpha, beta_cdf, beta_quantile, bootstrap, chain_counts, chain_summary, expected_speedup,
+from kvshot.beta import beta_cdf, beta_quantile
+from kvshot.metrics import (alpha, chain_counts, chain_summary, expected_speedup, panel_from_counts,
                             expected_tokens, jeffreys_interval, mat, retention)
 
 # four drafting rounds, K = 4; worked out by hand:
@@ -41,27 +42,30 @@ def test_retention_and_nan_steps():
     assert math.isnan(alpha(torch.tensor([2, 0]), torch.tensor([0, 0]))[1])
 
 
-def test_bootstrap_interval_contains_the_estimate_and_shrinks_with_data():
+def test_interval_contains_the_estimate_and_shrinks_with_data():
     gen = torch.Generator().manual_seed(0)
     small = torch.rand(20, 7, generator=gen) < 0.7
     big = torch.rand(2000, 7, generator=gen) < 0.7
-
-    def per_seq(correct, seqs):
-        rows = correct.view(seqs, -1, 7)
-        counts = [chain_counts(r) for r in rows]
-        return torch.stack([c[0] for c in counts]), torch.stack([c[1] for c in counts])
-
     widths = []
     for correct, seqs in ((small, 4), (big, 40)):
-        r, a = per_seq(correct, seqs)
+        r, a = per_sequence(correct, seqs)
         point = alpha(r.sum(0), a.sum(0))
-        ci = bootstrap(r, a, samples=400, seed=1)
-        assert ci["alpha_ci"][0][0] <= point[0] <= ci["alpha_ci"][0][1]
-        assert ci["mat_ci"][0] <= mat(point) <= ci["mat_ci"][1]
-        widths.append(ci["alpha_ci"][0][1] - ci["alpha_ci"][0][0])
+        s = chain_summary(panel_from_counts(r, a), samples=400, seed=1)
+        assert s["alpha_ci"][0][0] <= point[0] <= s["alpha_ci"][0][1]
+        assert s["mat_ci"][0] <= mat(point) <= s["mat_ci"][1]
+        widths.append(s["alpha_ci"][0][1] - s["alpha_ci"][0][0])
     assert widths[1] < widths[0]
-    r, a = per_seq(big, 40)
-    assert bootstrap(r, a, samples=50, seed=3) == bootstrap(r, a, samples=50, seed=3)
+    r, a = per_sequence(big, 40)
+    assert chain_summary(panel_from_counts(r, a), samples=50, seed=3) == chain_summary(panel_from_counts(r, a),
+                                                                                          samples=50, seed=3)
+
+
+def test_panel_from_counts_is_lossless():
+    gen = torch.Generator().manual_seed(4)
+    r, a = per_sequence(torch.rand(60, 5, generator=gen) < 0.6, 6)
+    p = panel_from_counts(r, a)
+    back_r, back_a = p.per_sequence()
+    assert back_r[0].long().tolist() == r.tolist() and back_a[0].long().tolist() == a.tolist()
 
 
 def per_sequence(correct: torch.Tensor, seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,40 +95,36 @@ def test_jeffreys_interval_matches_published_values():
     assert (hi - lo) / 2 == pytest.approx(1.96 * math.sqrt(0.47 * 0.53 / 1e6), rel=1e-3)
 
 
-def test_intervals_do_not_collapse_on_few_rounds():
-    # two prompts, three rounds each, every draft accepted through step 2, never at step 3
+def test_few_rounds_read_insufficient_and_keep_a_wide_pooled_interval():
+    # two prompts, three rounds each, every draft accepted through step 2, never at step 3:
+    # no spread to resample, so the rule on rounds and the pooled Jeffreys interval carry the doubt
     correct = torch.tensor([[1, 1, 1, 0]] * 6, dtype=torch.bool)
     r, a = per_sequence(correct, 2)
-    s = chain_summary(r, a, samples=300, seed=0, min_rounds=30)
-    for key in ("alpha_ci", "alpha_jeffreys_ci", "cumulative_ci"):
-        for lo, hi in s[key]:
-            assert hi - lo > 0.05, (key, lo, hi)
-    assert s["mat_ci"][1] - s["mat_ci"][0] > 0.05
-    # the old bootstrap gave [1, 1] for alpha_0 here
-    assert s["alpha_ci"][0][0] < 0.95 and s["alpha_observed"][0] == 1.0
+    s = chain_summary(panel_from_counts(r, a), samples=300, seed=0, min_rounds=30)
+    for lo, hi in s["alpha_jeffreys_ci"]:
+        assert hi - lo > 0.05, (lo, hi)
+    assert s["alpha_observed"][0] == 1.0 and s["distinct_anchors"] == [6, 6, 6, 6]
     assert s["alpha"] == [None] * 4 and s["alpha_sufficient"] == [False] * 4 and s["retention"] is None
 
 
-def test_undefined_resamples_are_counted_not_dropped():
+def test_undefined_resamples_are_counted():
     # step 1 is reached only in the first of four prompts (resamples without it leave alpha_1
     # undefined), step 2 in none
     correct = torch.tensor([[1, 0, 0], [1, 0, 1], [0, 0, 0], [0, 1, 1]] + [[0, 0, 0]] * 4, dtype=torch.bool)
     r, a = per_sequence(correct, 4)
     assert r[:, 1].tolist() == [2, 0, 0, 0]
-    s = bootstrap(r, a, samples=400, seed=0)
+    s = chain_summary(panel_from_counts(r, a), samples=400, seed=0)
     undefined = s["alpha_undefined_resamples"]
     assert undefined[0] == 0 and 0.2 * 400 < undefined[1] < 0.5 * 400     # (3/4)^4 = 32% of resamples
-    assert undefined[2] == 400
-    # an undefined step draws from the prior: the interval is wide, not a point and not NaN
-    lo, hi = s["alpha_ci"][2]
-    assert hi - lo > 0.5
+    # a step no anchor reaches has no estimate and no interval
+    assert math.isnan(s["alpha_observed"][2]) and all(math.isnan(x) for x in s["alpha_ci"][2])
 
 
 def test_chain_summary_minimum_rounds_cumulative_and_mat():
     gen = torch.Generator().manual_seed(0)
     correct = torch.rand(600, 5, generator=gen) < 0.5
     r, a = per_sequence(correct, 20)
-    s = chain_summary(r, a, samples=200, seed=2, min_rounds=50)
+    s = chain_summary(panel_from_counts(r, a), samples=200, seed=2, min_rounds=50)
     rounds, acc = r.sum(0).tolist(), a.sum(0).tolist()
     assert s["rounds"] == rounds and s["accepted"] == acc
     observed = [x / n for x, n in zip(acc, rounds)]
@@ -135,4 +135,4 @@ def test_chain_summary_minimum_rounds_cumulative_and_mat():
     assert s["mat"] == pytest.approx(1 + sum(s["cumulative"]))
     for k, (lo, hi) in enumerate(s["alpha_ci"]):
         assert lo < hi and (lo <= observed[k] <= hi or rounds[k] < 50)
-    assert chain_summary(r, a, samples=200, seed=2, min_rounds=50) == s      # deterministic for a seed
+    assert chain_summary(panel_from_counts(r, a), samples=200, seed=2, min_rounds=50) == s   # deterministic

@@ -6,10 +6,10 @@ acc_k        unconditional teacher-forced top-1 accuracy (reported, never called
 MAT          1 + sum_k prod_{j<=k} alpha_j  (accepted draft tokens per round + the bonus token)
 retention    alpha_{K-1} / alpha_0
 
-Intervals (`bootstrap`): resample whole prompts (rounds within a sequence are correlated), and in
-each resample draw alpha_k from its Jeffreys posterior Beta(accepted + 1/2, rejected + 1/2). A step
-that no round of a resample reaches draws from the prior Beta(1/2, 1/2) and is counted, not dropped,
-so an interval never collapses to a point on a handful of rounds.
+Intervals (`chain_summary`): from per-anchor chain lengths (`resample.AnchorPanel`), resampling
+whole sequences once and taking the training seeds' share of the variance from their spread
+(`resample.interval`); the pooled Jeffreys interval of each rate is reported beside it for
+reference. tests/test_coverage.py measures their coverage on synthetic data with a known truth.
 """
 from __future__ import annotations
 
@@ -18,8 +18,11 @@ import math
 import torch
 from torch import Tensor
 
+from .beta import beta_quantile
+from .resample import LEVEL, AnchorPanel, intervals, panel
+
 DEFAULT_MIN_ROUNDS = 30   # below this many rounds alpha_k is "insufficient data" (config eval.min_rounds)
-JEFFREYS_PRIOR = 0.5
+JEFFREYS_PRIOR = 0.5   # the pooled-count interval shown beside the resampled one
 
 
 def chain_counts(correct: Tensor) -> tuple[Tensor, Tensor]:
@@ -48,53 +51,6 @@ def retention(alphas: list[float]) -> float:
     return alphas[-1] / alphas[0] if alphas and alphas[0] > 0 else float("nan")
 
 
-# ---------------------------------------------------------------- Beta distribution
-
-def _beta_continued_fraction(a: float, b: float, x: float) -> float:
-    """The continued fraction of the regularized incomplete beta function (modified Lentz),
-    convergent for x < (a + 1) / (a + b + 2)."""
-    tiny, eps = 1e-300, 1e-15
-    c = 1.0
-    d = 1.0 - (a + b) * x / (a + 1)          # the first term, d_1 = -(a + b) x / (a + 1)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    f = d
-    for m in range(1, 1000):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),          # even term d_2m
-                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):  # odd term d_2m+1
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            f *= c * d
-        if abs(c * d - 1.0) < eps:
-            break
-    return f
-
-
-def beta_cdf(x: float, a: float, b: float) -> float:
-    """P(X <= x) for X ~ Beta(a, b): the regularized incomplete beta function I_x(a, b)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = a * math.log(x) + b * math.log1p(-x) + math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-    if x < (a + 1) / (a + b + 2):
-        return math.exp(log_front) * _beta_continued_fraction(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _beta_continued_fraction(b, a, 1.0 - x) / b
-
-
-def beta_quantile(q: float, a: float, b: float) -> float:
-    """The x with beta_cdf(x, a, b) = q, by bisection (the CDF is monotone)."""
-    lo, hi = 0.0, 1.0
-    for _ in range(80):
-        mid = (lo + hi) / 2
-        if beta_cdf(mid, a, b) < q:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
 def jeffreys_interval(accepted: int, rounds: int, level: float = 0.95) -> list[float]:
     """Equal-tailed Jeffreys interval for a binomial rate (pooled counts, no prompt resampling);
     the bound at an observed 0 or 1 is the boundary itself (Brown, Cai and DasGupta 2001)."""
@@ -107,49 +63,44 @@ def jeffreys_interval(accepted: int, rounds: int, level: float = 0.95) -> list[f
 
 # ---------------------------------------------------------------- intervals
 
-def bootstrap(reached: Tensor, accepted: Tensor, samples: int = 1000, seed: int = 0, level: float = 0.95) -> dict:
-    """Intervals for alpha_k, cumulative_k, MAT and retention: prompt bootstrap x Jeffreys
-    posterior draw (module docstring). reached/accepted: [S, K] per-sequence counts."""
-    s, steps = reached.shape
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, s, (samples, s), generator=gen)
-    weights = torch.zeros(samples, s, dtype=torch.float64).scatter_add_(1, idx, torch.ones(samples, s, dtype=torch.float64))
-    r = weights @ reached.double()
-    a = weights @ accepted.double()
-    with torch.random.fork_rng(devices=[]):          # Beta sampling has no generator argument
-        torch.manual_seed(seed)
-        draws = torch.distributions.Beta(a + JEFFREYS_PRIOR, r - a + JEFFREYS_PRIOR).sample()
-    cumulative = torch.cumprod(draws, dim=1)
-    mats = 1 + cumulative.sum(1)
-    rets = draws[:, -1] / draws[:, 0]
-    lo, hi = (1 - level) / 2, 1 - (1 - level) / 2
-
-    def ci(x: Tensor) -> list[float]:
-        return [float(torch.quantile(x, lo)), float(torch.quantile(x, hi))]
-
-    return {"alpha_ci": [ci(draws[:, k]) for k in range(steps)],
-            "alpha_undefined_resamples": (r == 0).sum(0).tolist(),
-            "cumulative_ci": [ci(cumulative[:, k]) for k in range(steps)],
-            "mat_ci": ci(mats), "retention_ci": ci(rets), "bootstrap_samples": samples, "level": level,
-            "interval": "prompt bootstrap x Jeffreys Beta(1/2, 1/2) posterior draw per step; a resample in which "
-                        "no round reaches step k draws from the prior and is counted in alpha_undefined_resamples"}
+def panel_from_counts(reached: Tensor, accepted: Tensor) -> AnchorPanel:
+    """One seed's anchors from per-sequence chain counts [S, K] (lossless: in a sequence, the
+    anchors that accept exactly L steps are reached_L - reached_{L+1}, with accepted_{K-1} last)."""
+    lengths, sequence = [], []
+    for j, (r, a) in enumerate(zip(reached.long().tolist(), accepted.long().tolist())):
+        through = r + [a[-1]]                      # anchors accepting at least L steps, L = 0..K
+        for length in range(len(r) + 1):
+            count = through[length] - (through[length + 1] if length + 1 < len(through) else 0)
+            lengths += [length] * count
+            sequence += [j] * count
+    return panel([lengths], sequence, reached.shape[1])
 
 
-def chain_summary(reached: Tensor, accepted: Tensor, samples: int = 1000, seed: int = 0,
-                  min_rounds: int = DEFAULT_MIN_ROUNDS, level: float = 0.95) -> dict:
-    """Everything stepwise.json reports from per-sequence chain counts [S, K]: counts, rates,
-    cumulative acceptance, MAT, retention, intervals, and the minimum-rounds rule. A rate that
-    rests on fewer than min_rounds rounds is null in `alpha`/`retention` (its raw value stays in
-    `alpha_observed`/`retention_observed`) and flagged false in `*_sufficient`."""
-    rounds, acc = reached.sum(0), accepted.sum(0)
+def chain_summary(anchors: AnchorPanel, samples: int = 1000, seed: int = 0, min_rounds: int = DEFAULT_MIN_ROUNDS,
+                  level: float = LEVEL) -> dict:
+    """Everything stepwise.json reports from per-anchor chain lengths: counts, rates, cumulative
+    acceptance, MAT, retention, intervals (`resample.interval`: sequences resampled, seeds as a
+    variance component) and the minimum-rounds rule, which counts distinct anchors (an anchor
+    that several seeds bring to step k counts once). A rate that rests on fewer than min_rounds
+    distinct anchors is null in `alpha`/`retention` (its raw value stays in `alpha_observed` /
+    `retention_observed`) and flagged false in `*_sufficient`."""
+    reached_s, accepted_s = anchors.per_sequence()
+    rounds, acc = reached_s.sum((0, 1)), accepted_s.sum((0, 1))
     observed = alpha(rounds, acc)
     rounds_l, acc_l = [int(x) for x in rounds.tolist()], [int(x) for x in acc.tolist()]
-    enough = [n >= min_rounds for n in rounds_l]
+    distinct = anchors.distinct_reached()
+    enough = [n >= min_rounds for n in distinct]
     ret_enough = enough[0] and enough[-1]
     ret = retention(observed)
-    out = {
+    steps = anchors.steps
+    ci = intervals([anchors], ["mat", "retention"] + [f"alpha_{k}" for k in range(steps)]
+                   + [f"cumulative_{k}" for k in range(steps)], samples, seed, level)
+    bounds = lambda name: [ci[name].low, ci[name].high]   # noqa: E731
+    return {
         "rounds": rounds_l,
         "accepted": acc_l,
+        "distinct_anchors": distinct,
+        "seeds": anchors.seeds,
         "min_rounds": min_rounds,
         "alpha": [x if ok else None for x, ok in zip(observed, enough)],
         "alpha_observed": observed,
@@ -161,9 +112,18 @@ def chain_summary(reached: Tensor, accepted: Tensor, samples: int = 1000, seed: 
         "retention": ret if ret_enough else None,
         "retention_observed": ret,
         "retention_sufficient": ret_enough,
+        "alpha_ci": [bounds(f"alpha_{k}") for k in range(steps)],
+        "alpha_undefined_resamples": [ci[f"alpha_{k}"].undefined_resamples for k in range(steps)],
+        "cumulative_ci": [bounds(f"cumulative_{k}") for k in range(steps)],
+        "mat_ci": bounds("mat"), "retention_ci": bounds("retention"),
+        "mat_se": ci["mat"].se, "mat_mde": ci["mat"].mde,
+        "bootstrap_samples": samples, "level": level,
+        "interval": INTERVAL_NOTE,
     }
-    out.update(bootstrap(reached, accepted, samples, seed, level))
-    return out
+
+
+INTERVAL_NOTE = ("t interval on the variance of the sequence bootstrap (seeds held fixed) plus, with several seeds, "
+                 "the seed component of a crossed ANOVA; one t quantile per component (resample.py)")
 
 
 def expected_tokens(a: float, gamma: int) -> float:

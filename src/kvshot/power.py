@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .resample import AnchorPanel, LEVEL, interval, statistic
+from .resample import LEVEL, AnchorPanel, interval, intervals, statistic
 
 
 @dataclass(frozen=True)
@@ -85,22 +85,28 @@ def coverage(design: Design, alphas: list[list[float]], names: list[str], reps: 
     hits = {n: 0 for n in names} | ({f"{n} diff": 0 for n in names} if len(alphas) > 1 else {})
     for i in range(reps):
         panels = draw(design, alphas, gen)
-        for n in names:
-            one = interval(panels[:1], n, samples, seed=i, level=level)
+        for n, one in intervals(panels[:1], names, samples, seed=i, level=level).items():
             hits[n] += one.low <= true[n][0] <= one.high
-            if len(panels) > 1:
-                diff = interval(panels[:2], n, samples, seed=i, level=level)
+        if len(panels) > 1:
+            for n, diff in intervals(panels[:2], names, samples, seed=i, level=level).items():
                 hits[f"{n} diff"] += diff.low <= true[n][0] - true[n][1] <= diff.high
     return {k: v / reps for k, v in hits.items()}
 
 
 def decided(design: Design, alphas: list[list[float]], name: str, reps: int, samples: int = 400, seed: int = 0,
-            level: float = LEVEL) -> float:
+            level: float = LEVEL) -> dict:
     """Share of synthetic evaluations in which the paired interval of variant 0 - variant 1 in
-    `name` excludes zero (either direction): the power, or under no difference the error rate."""
+    `name` excludes zero (either direction): the power, or under no difference the error rate;
+    with the mean minimum detectable effect the intervals stated."""
     gen = torch.Generator().manual_seed(seed)
-    hits = 0
+    hits, mde = 0, 0.0
     for i in range(reps):
         diff = interval(draw(design, alphas, gen)[:2], name, samples, seed=i, level=level)
         hits += diff.low > 0 or diff.high < 0
-    return hits / reps
+        mde += diff.mde / reps
+    return {"decided": hits / reps, "mde": mde}
+
+
+def shifted(alphas: list[float], logit_shift: float) -> list[float]:
+    """Every alpha_k moved by the same amount on the logit scale."""
+    return [1 / (1 + math.exp(-(_logit(a) + logit_shift))) for a in alphas]

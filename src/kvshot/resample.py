@@ -3,21 +3,22 @@
 Every variant and seed is scored on the same anchors (the evaluation's seeded anchor draw), so
 a record is an `AnchorPanel`: for each training seed and anchor, how many leading draft steps
 were accepted (0..K), and the sequence (conversation or prompt) each anchor belongs to.
-From that, alpha_k, MAT and retention are pooled ratios of counts (`metrics` defines them).
+alpha_k, MAT and retention are ratios of pooled counts (`metrics` defines them).
 
-One resampling, two levels (`hierarchical_weights`): whole sequences with replacement (anchors in
-one conversation share their difficulty), and, where there are several, training seeds with
-replacement (the drafter a new seed would give). A comparison between two variants draws the
-same sequences and the same seed indices for both (paired on the shared anchors), so the
-anchors' shared difficulty cancels in the difference.
-
-With few seeds the seed level of a plain bootstrap is too narrow (resampling n values has
-(n - 1)/n of their variance and only a handful of distinct draws), so the interval is a
-t interval on the bootstrap's variance components: the sequence-level variance (seeds held
-fixed) plus the seed-level variance (sequences held fixed, scaled by n/(n - 1)), with
-Welch-Satterthwaite degrees of freedom. With one seed it is the sequence bootstrap's own
-standard error with S - 1 degrees of freedom. tests/test_coverage.py measures the coverage of
-these intervals on clustered synthetic chains with a known truth, and the power of the test.
+The variance of a statistic, or of a paired contrast between variants on the shared anchors,
+has two parts, each counted once:
+- prompts: one bootstrap that resamples whole sequences (anchors of one conversation share
+  their difficulty), every seed's counts kept, the same sequences for every variant of a
+  contrast. It holds the sequence effect and the seed-by-sequence noise.
+- training seeds: what a new seed would change, net of that noise: a crossed two-way ANOVA of
+  the (seed, sequence) cells' first-order contributions, n S max(0, MS_seed - MS_residual).
+Resampling three seeds instead would keep (n-1)/n of their variance in ten distinct draws and
+count the seed-by-sequence noise a second time.
+The interval is estimate +- sqrt(sum_c t_c^2 V_c), each component with its own t quantile
+(S - 1 and n - 1 degrees of freedom; Graybill and Wang's rule for a sum of components), so three
+seeds widen only the seed part. The minimum detectable effect replaces t_c by t_c + t_power.
+tests/test_coverage.py measures coverage and power on clustered synthetic chains with a known
+truth (`power`); docs/statistics.md states the choices.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+
+from .beta import beta_cdf
 
 LEVEL = 0.95          # two-sided; each directional claim errs at most 2.5% of the time under no difference
 POWER = 0.80          # the minimum detectable effect is the difference decided this often
@@ -51,6 +54,11 @@ class AnchorPanel:
     def n_sequences(self) -> int:
         return int(self.sequence.max()) + 1 if self.sequence.numel() else 0
 
+    @functools.cached_property
+    def counts(self) -> tuple[Tensor, Tensor]:
+        """`per_sequence`, computed once."""
+        return self.per_sequence()
+
     def per_sequence(self) -> tuple[Tensor, Tensor]:
         """reached, accepted [n_seeds, S, K] float64: rounds reaching step k and accepting it."""
         k = torch.arange(self.steps)
@@ -72,6 +80,21 @@ class AnchorPanel:
 def panel(lengths: list[list[int]] | Tensor, sequence: list[int] | Tensor, steps: int, keys=()) -> AnchorPanel:
     return AnchorPanel(torch.as_tensor(lengths, dtype=torch.long), torch.as_tensor(sequence, dtype=torch.long),
                        steps, tuple(keys))
+
+
+def panel_record(anchors: AnchorPanel, seeds: list) -> dict:
+    """stepwise.json's `anchors_panel`: per anchor its sequence and position, per seed its accepted run
+    length (0..K): what paired comparisons between variants resample (report/claims.py)."""
+    sequences = list(dict.fromkeys(str(g) for g, _ in anchors.keys))
+    return {"seeds": seeds, "sequences": sequences, "sequence": anchors.sequence.tolist(),
+            "position": [t for _, t in anchors.keys], "accepted_len": anchors.lengths.tolist()}
+
+
+def read_panel(record: dict, steps: int) -> AnchorPanel:
+    """An AnchorPanel back from stepwise.json's `anchors_panel` (keys: sequence name and position)."""
+    names = record["sequences"]
+    keys = tuple((names[j], t) for j, t in zip(record["sequence"], record["position"]))
+    return panel(record["accepted_len"], record["sequence"], steps, keys=keys)
 
 
 # ---------------------------------------------------------------- statistics of pooled counts
@@ -101,35 +124,18 @@ def statistic(name: str) -> Callable[[Tensor, Tensor], Tensor]:
 
 # ---------------------------------------------------------------- resampling
 
-def hierarchical_weights(n_seeds: int, n_sequences: int, samples: int, seed: int, level: str = "both") -> tuple[Tensor, Tensor]:
-    """Multinomial resampling counts: seeds [B, n] and sequences [B, S]. level 'sequences' holds
-    the seeds fixed (all ones), 'seeds' the sequences; 'both' resamples the two independently."""
+def sequence_weights(n_sequences: int, samples: int, seed: int) -> Tensor:
+    """Multinomial resampling counts [B, S]: each resample draws S sequences with replacement."""
     gen = torch.Generator().manual_seed(seed)
-
-    def draw(n: int) -> Tensor:
-        idx = torch.randint(0, n, (samples, n), generator=gen)
-        return torch.zeros(samples, n, dtype=torch.float64).scatter_add_(1, idx, torch.ones(samples, n, dtype=torch.float64))
-
-    seqs = draw(n_sequences) if level in ("both", "sequences") else torch.ones(samples, n_sequences, dtype=torch.float64)
-    if level in ("both", "seeds") and n_seeds > 1:
-        seeds = draw(n_seeds)
-    else:
-        seeds = torch.ones(samples, n_seeds, dtype=torch.float64)
-    return seeds, seqs
+    idx = torch.randint(0, n_sequences, (samples, n_sequences), generator=gen)
+    return torch.zeros(samples, n_sequences, dtype=torch.float64).scatter_add_(
+        1, idx, torch.ones(samples, n_sequences, dtype=torch.float64))
 
 
-def pooled_counts(per_seq: tuple[Tensor, Tensor], seeds: Tensor, seqs: Tensor) -> tuple[Tensor, Tensor]:
-    """Counts [B, K] of each resample from per-sequence counts [n, S, K]."""
+def pooled_counts(per_seq: tuple[Tensor, Tensor], seqs: Tensor) -> tuple[Tensor, Tensor]:
+    """Counts [B, K] of each resample (seeds summed) from per-sequence counts [n, S, K]."""
     r, a = per_seq
-    return torch.einsum("bn,bs,nsk->bk", seeds, seqs, r), torch.einsum("bn,bs,nsk->bk", seeds, seqs, a)
-
-
-def _replicates(panels: list[AnchorPanel], stat: Callable, samples: int, seed: int, level: str) -> Tensor:
-    """The statistic of panels[0] minus that of panels[1] (or of panels[0] alone) per resample."""
-    first = panels[0]
-    seeds, seqs = hierarchical_weights(first.seeds, first.n_sequences, samples, seed, level)
-    values = [stat(*pooled_counts(p.per_sequence(), seeds, seqs)) for p in panels]
-    return values[0] if len(values) == 1 else values[0] - values[1]
+    return seqs @ r.sum(0), seqs @ a.sum(0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -141,8 +147,6 @@ def _t_quantile(p: float, df: float) -> float:
     if df < 1:
         df = 1.0
     # invert the t CDF by bisection on the regularized incomplete beta function
-    from .metrics import beta_cdf
-
     def cdf(t: float) -> float:
         x = df / (df + t * t)
         tail = 0.5 * beta_cdf(x, df / 2, 0.5)
@@ -178,41 +182,58 @@ class Interval:
 
 
 def interval(panels: list[AnchorPanel], name: str, samples: int = DEFAULT_SAMPLES, seed: int = 0,
-             level: float = LEVEL, power: float = POWER) -> Interval:
-    """The interval of statistic `name` for one panel, or of the paired difference
-    panels[0] - panels[1] (module docstring). Undefined resamples (no round reaches a step)
-    are dropped from the variance and counted."""
-    stat = statistic(name)
-    point = [stat(*[x.sum((0, 1)) for x in p.per_sequence()]).item() for p in panels]
-    estimate = point[0] if len(point) == 1 else point[0] - point[1]
-    n_seeds, n_seq = panels[0].seeds, panels[0].n_sequences
-    by_seq = _replicates(panels, stat, samples, seed, "sequences")
-    undefined = int((~torch.isfinite(by_seq)).sum())
-    var_seq, df_seq = _var(by_seq), max(n_seq - 1, 1)
-    var_seed = seed_component(panels, stat) if n_seeds > 1 else 0.0
-    var = var_seq + var_seed
+             level: float = LEVEL, power: float = POWER, coefs: tuple[float, ...] | None = None) -> Interval:
+    """The interval of statistic `name` for one panel, of the paired difference
+    panels[0] - panels[1], or of a contrast sum_i coefs[i] * statistic(panels[i]) (module
+    docstring). The panels must score the same anchors (`same_anchors`)."""
+    return intervals(panels, [name], samples, seed, level, power, coefs)[name]
+
+
+def intervals(panels: list[AnchorPanel], names: list[str], samples: int = DEFAULT_SAMPLES, seed: int = 0,
+              level: float = LEVEL, power: float = POWER, coefs: tuple[float, ...] | None = None) -> dict[str, Interval]:
+    """`interval` of several statistics on the same resamples. Undefined resamples (no round
+    reaches a step) are dropped from the variance and counted."""
+    coefs = coefs or ((1.0,) if len(panels) == 1 else (1.0, -1.0))
+    if len(coefs) != len(panels):
+        raise ValueError(f"{len(panels)} panels, {len(coefs)} coefficients")
+    seqs = sequence_weights(panels[0].n_sequences, samples, seed)
+    resampled = [pooled_counts(p.counts, seqs) for p in panels]
+    totals = [tuple(x.sum((0, 1)) for x in p.counts) for p in panels]
+    out = {}
+    for name in names:
+        stat = statistic(name)
+        estimate = sum(c * stat(*tot).item() for c, tot in zip(coefs, totals))
+        by_seq = sum(c * stat(*rs) for c, rs in zip(coefs, resampled))
+        undefined = int((~torch.isfinite(by_seq)).sum())
+        var_seq, df_seq = _var(by_seq), max(panels[0].n_sequences - 1, 1)
+        var_seed = seed_component(panels, coefs, stat) if panels[0].seeds > 1 else 0.0
+        out[name] = _t_interval(estimate, [(var_seq, df_seq), (var_seed, panels[0].seeds - 1)], level, power, undefined)
+    return out
+
+
+def _t_interval(estimate: float, parts: list[tuple[float, int]], level: float, power: float,
+                undefined: int) -> Interval:
+    """estimate +- sqrt(sum_c t_c^2 V_c) over variance components (V_c, df_c): each with its own t
+    quantile (Graybill and Wang's modified large-sample rule for a sum of components), so the few
+    degrees of freedom of the seeds widen only their part."""
+    parts = [(v, df) for v, df in parts if v > 0 or v != v]
+    var = sum(v for v, _ in parts)
     se = math.sqrt(var) if var == var else float("nan")
+    df = var ** 2 / sum(v ** 2 / d for v, d in parts) if parts and var > 0 else float("nan")
     if not math.isfinite(estimate) or not math.isfinite(se):
-        return Interval(estimate, float("nan"), float("nan"), se, float(df_seq), float("nan"), level, undefined)
-    # each variance component with its own t quantile (Graybill and Wang's modified large-sample
-    # rule for a sum of components): the seed part's few degrees of freedom widen only that part
-    crit = lambda p, df: _t_quantile(p, df)   # noqa: E731
+        return Interval(estimate, float("nan"), float("nan"), se, df, float("nan"), level, undefined)
     two = 1 - (1 - level) / 2
-    parts = [(var_seq, df_seq)] + ([(var_seed, n_seeds - 1)] if var_seed > 0 else [])
-    half = math.sqrt(sum(crit(two, df) ** 2 * v for v, df in parts))
-    mde = math.sqrt(sum((crit(two, df) + crit(power, df)) ** 2 * v for v, df in parts))
-    t = half / se if se > 0 else crit(two, df_seq)
-    df = float(df_seq) if var_seed <= 0 else var ** 2 / sum(v ** 2 / df for v, df in parts)
-    return Interval(estimate, estimate - t * se, estimate + t * se, se, df, mde, level, undefined)
+    half = math.sqrt(sum(_t_quantile(two, d) ** 2 * v for v, d in parts))
+    mde = math.sqrt(sum((_t_quantile(two, d) + _t_quantile(power, d)) ** 2 * v for v, d in parts))
+    return Interval(estimate, estimate - half, estimate + half, se, df, mde, level, undefined)
 
 
-def cell_influence(panels: list[AnchorPanel], stat: Callable) -> Tensor:
-    """[n_seeds, S]: each (seed, sequence) cell's first-order contribution to the statistic
-    (of panels[0], or of panels[0] - panels[1]): the gradient at the pooled counts times the
-    cell's counts."""
+def cell_influence(panels: list[AnchorPanel], coefs: tuple[float, ...], stat: Callable) -> Tensor:
+    """[n_seeds, S]: each (seed, sequence) cell's first-order contribution to the contrast
+    sum_i coefs[i] * statistic(panels[i]): the gradient at the pooled counts times the cell's counts."""
     out = None
-    for sign, p in zip((1.0, -1.0), panels):
-        r, a = p.per_sequence()
+    for sign, p in zip(coefs, panels):
+        r, a = p.counts
         tr, ta = r.sum((0, 1)).requires_grad_(), a.sum((0, 1)).requires_grad_()
         gr, ga = torch.autograd.grad(stat(tr, ta), (tr, ta))
         z = sign * ((r * gr).sum(-1) + (a * ga).sum(-1))
@@ -220,11 +241,11 @@ def cell_influence(panels: list[AnchorPanel], stat: Callable) -> Tensor:
     return out
 
 
-def seed_component(panels: list[AnchorPanel], stat: Callable) -> float:
+def seed_component(panels: list[AnchorPanel], coefs: tuple[float, ...], stat: Callable) -> float:
     """The training-seed share of the statistic's variance, net of the seed-by-sequence noise that
     the sequence bootstrap already counts: crossed-design ANOVA on the cell influences,
     n S max(0, MS_seed - MS_residual) (the expected mean squares of a two-way random layout)."""
-    z = cell_influence(panels, stat).double()
+    z = cell_influence(panels, coefs, stat).double()
     n, s = z.shape
     if n < 2 or s < 2 or not bool(torch.isfinite(z).all()):
         return 0.0
@@ -239,7 +260,8 @@ def _var(x: Tensor) -> float:
     return float(ok.var(unbiased=True)) if ok.numel() > 1 else float("nan")
 
 
-def paired_keys_match(a: AnchorPanel, b: AnchorPanel) -> bool:
-    """Two panels can be compared paired when they score the same anchors in the same order."""
-    return (a.keys == b.keys and a.lengths.shape[1] == b.lengths.shape[1] and bool((a.sequence == b.sequence).all())
-            and a.seeds == b.seeds)
+def same_anchors(a: AnchorPanel, b: AnchorPanel) -> bool:
+    """Two panels can be compared paired when they score the same anchors in the same order with
+    as many seeds (seed i of one is paired with seed i of the other)."""
+    return (a.keys == b.keys and a.lengths.shape[1] == b.lengths.shape[1] and a.seeds == b.seeds
+            and bool((a.sequence == b.sequence).all()))

@@ -26,6 +26,7 @@ from .drafters import Drafter
 from .features import pad_batch
 from .io import read_json, write_json
 from .metrics import DEFAULT_MIN_ROUNDS, chain_counts, chain_summary, jeffreys_interval
+from .resample import AnchorPanel, panel, panel_record
 from .blockwise import any_unroll, is_block
 from .target import target_forward
 from .progress import progress
@@ -266,7 +267,7 @@ def chain_tally(drafter: Drafter, target, items: list[dict], aux_layers: tuple[i
     teacher-forced tallies. The raw material of `summarize_tally`; tallies of several drafters
     (seeds) on the same items add up sequence by sequence."""
     per_group: dict = {}
-    contexts, chains, tf_correct, tf_total = [], [], torch.zeros(steps), 0
+    contexts, chains, tf_correct, tf_total, keys = [], [], torch.zeros(steps), 0, []
     results = chain_correct(drafter, target, items, aux_layers, steps, batch_size, device, dtype)
     for i, (it, (rows, chain_ok, forced_ok)) in enumerate(zip(items, results)):
         if len(rows) == 0:
@@ -275,6 +276,7 @@ def chain_tally(drafter: Drafter, target, items: list[dict], aux_layers: tuple[i
         key = it.get("conversation", f"item {i}")
         prev = per_group.get(key)
         per_group[key] = (r, a) if prev is None else (prev[0] + r, prev[1] + a)
+        keys += [(key, int(t)) for t in rows.tolist()]
         contexts.append(rows + 1)
         chains.append(chain_ok)
         tf_correct += forced_ok.sum(0).float()
@@ -282,7 +284,18 @@ def chain_tally(drafter: Drafter, target, items: list[dict], aux_layers: tuple[i
     if not per_group:
         raise ValueError(f"no continuation is longer than {steps} tokens: nothing to evaluate")
     return {"groups": per_group, "contexts": torch.cat(contexts), "chains": torch.cat(chains),
-            "tf_correct": tf_correct, "tf_total": tf_total}
+            "tf_correct": tf_correct, "tf_total": tf_total, "keys": keys}
+
+
+def anchor_panel(tallies: list[dict], steps: int) -> AnchorPanel:
+    """The per-anchor chain lengths of several drafters' tallies on the same items (one row per
+    seed, anchors in evaluation order, each with its sequence index)."""
+    keys = tallies[0]["keys"]
+    if any(t["keys"] != keys for t in tallies):
+        raise ValueError("the seeds' tallies score different anchors: they cannot be pooled or paired")
+    groups = {g: j for j, g in enumerate(dict.fromkeys(g for g, _ in keys))}
+    lengths = torch.stack([torch.cumprod(t["chains"].long(), dim=1).sum(1) for t in tallies])
+    return panel(lengths, [groups[g] for g, _ in keys], steps, keys=tuple(keys))
 
 
 def pool_tallies(tallies: list[dict]) -> dict:
@@ -299,11 +312,13 @@ def pool_tallies(tallies: list[dict]) -> dict:
 
 
 def summarize_tally(tally: dict, items: list[dict], steps: int, bootstrap_samples: int = 1000, seed: int = 0,
-                    min_rounds: int = DEFAULT_MIN_ROUNDS, context_buckets: list[int] | None = None) -> dict:
+                    min_rounds: int = DEFAULT_MIN_ROUNDS, context_buckets: list[int] | None = None,
+                    anchors: AnchorPanel | None = None) -> dict:
     """alpha_k, acc_k, MAT, retention with intervals that resample whole sequences
-    (`chain_summary`), the repetition share of the reference tokens, alpha_k by context length."""
+    (`chain_summary`; anchors: the per-anchor panel of every seed pooled in the tally, default the
+    tally's own), the repetition share of the reference tokens, alpha_k by context length."""
+    anchors = anchors if anchors is not None else anchor_panel([tally], steps)
     reached = torch.stack([r for r, _ in tally["groups"].values()])
-    accepted = torch.stack([a for _, a in tally["groups"].values()])
     result = {
         "acc": (tally["tf_correct"] / max(tally["tf_total"], 1)).tolist(),
         "acc_note": "unconditional teacher-forced top-1 accuracy per step (acc_k), not alpha_k",
@@ -312,7 +327,7 @@ def summarize_tally(tally: dict, items: list[dict], steps: int, bootstrap_sample
         "steps": steps,
         "repetition": repetition_share(items),
     }
-    result.update(chain_summary(reached, accepted, bootstrap_samples, seed, min_rounds))
+    result.update(chain_summary(anchors, bootstrap_samples, seed, min_rounds))
     result["by_context"] = by_context(tally["contexts"], tally["chains"], list(context_buckets or DEFAULT_CONTEXT_BUCKETS))
     return result
 
@@ -370,10 +385,12 @@ def stepwise_seeds(drafters: list[tuple[int, Drafter]], target, items: list[dict
         tallies.append(tally)
         own = summarize_tally(tally, items, steps, bootstrap_samples, seed, min_rounds, context_buckets)
         per_seed.append({"seed": s} | {k: own[k] for k in own if k not in ("by_context", "repetition", "acc_note")})
+    anchors = anchor_panel(tallies, steps)
     result = summarize_tally(pool_tallies(tallies) if len(tallies) > 1 else tallies[0], items, steps,
-                             bootstrap_samples, seed, min_rounds, context_buckets)
-    result["pooled"] = (f"{len(per_seed)} training seeds: counts summed per sequence over seeds"
-                        if len(per_seed) > 1 else "one training seed")
+                             bootstrap_samples, seed, min_rounds, context_buckets, anchors)
+    result["pooled"] = (f"{len(per_seed)} training seeds: counts summed per sequence over seeds; intervals "
+                        f"with the seeds' variance (resample.py)" if len(per_seed) > 1 else "one training seed")
+    result["anchors_panel"] = panel_record(anchors, [s for s, _ in drafters])
     result["per_seed"] = per_seed
     result["across_seeds"] = across_seeds(per_seed)
     return result

@@ -1,14 +1,18 @@
 """A verdict on each of the paper's claims, computed from the result files only.
 
-Step-wise comparisons use the 95% intervals of stepwise.json (prompt bootstrap x Jeffreys
-posterior): `reproduced` when the intervals separate in the paper's direction, `not reproduced`
-when they separate the other way, `inconclusive` when they overlap. Two rules keep a verdict from
-resting on too little: a number below the minimum rounds (stepwise.json `min_rounds`) makes its
-comparison inconclusive, and with per-seed results the direction must hold in every seed. The
-diagnostics without intervals (E2E timings, gate, gradients) state their thresholds with each
-test, and every seed must give the same verdict. The paper's numbers come from results.PAPER.
-Step-wise claims are judged on the evaluation protocol whose reference tokens repeat themselves
-at most eval.max_repetition (`results.judged_protocol`), recorded in each claim as `protocol`.
+Step-wise comparisons are paired: every variant and seed is scored on the same anchors, and
+stepwise.json keeps each anchor's accepted run per seed (`anchors_panel`). A comparison is the
+interval of the difference (or contrast) on those shared anchors (`resample.interval`: one
+sequence bootstrap, the training seeds' variance as its own component, 95% two-sided):
+`reproduced` when it excludes zero in the paper's direction, `not reproduced` when it excludes
+zero the other way, `inconclusive` otherwise, with the smallest difference this run would decide
+at 80% power (`mde`) beside it. A number that rests on fewer distinct anchors than the minimum
+(stepwise.json `min_rounds`) makes its comparison inconclusive. Each comparison is recorded in
+its claim's `comparisons` (claims.json). The diagnostics without per-anchor data (E2E timings,
+gate, gradients) state their own rules with each test. The paper's numbers come from
+results.PAPER. Step-wise claims are judged on the evaluation protocol whose reference tokens
+repeat themselves at most eval.max_repetition (`results.judged_protocol`), recorded in each
+claim as `protocol`.
 """
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable
 
-from .results import PAPER, Variant, judged_protocol, roles, seed_runs, with_protocol
+from ..resample import AnchorPanel, Interval, interval, read_panel, same_anchors
+from .results import PAPER, Variant, anchor_counts, judged_protocol, roles, seed_runs, with_protocol
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, MISSING = "reproduced", "not reproduced", "inconclusive", "not measured"
 
@@ -33,12 +38,14 @@ OVERHEAD_BAND = PAPER["draft_overhead"]
 
 @dataclass(frozen=True)
 class Estimate:
-    """One step-wise number with its interval and the rounds it rests on."""
+    """One step-wise number of one variant: its statistic (`resample.statistic` name), value,
+    interval and the distinct anchors it rests on."""
     what: str
     value: float
     ci: tuple[float, float]
     rounds: int
     min_rounds: int
+    stat: str = ""
 
     @property
     def enough(self) -> bool:
@@ -46,42 +53,41 @@ class Estimate:
 
     def text(self) -> str:
         if not self.enough:
-            return f"insufficient data ({self.rounds} rounds < {self.min_rounds})"
+            return f"insufficient data ({self.rounds} anchors < {self.min_rounds})"
         return f"{self.value:.3f} [{self.ci[0]:.3f}, {self.ci[1]:.3f}] (n={self.rounds})"
 
 
 def alpha_at(k: int) -> Callable[[Variant], Estimate]:
     def get(v: Variant) -> Estimate:
         sw = v.stepwise
-        return Estimate(f"alpha_{k}", sw["alpha_observed"][k], tuple(sw["alpha_ci"][k]), sw["rounds"][k],
-                        sw["min_rounds"])
+        return Estimate(f"alpha_{k}", sw["alpha_observed"][k], tuple(sw["alpha_ci"][k]), anchor_counts(sw)[k],
+                        sw["min_rounds"], f"alpha_{k}")
     return get
 
 
 def mat_of(v: Variant) -> Estimate:
-    """MAT = 1 + sum_k accepted_k / rounds_0: it rests on the rounds of step 0."""
+    """MAT = 1 + sum_k accepted_k / rounds_0: it rests on the anchors of step 0."""
     sw = v.stepwise
-    return Estimate("MAT", sw["mat"], tuple(sw["mat_ci"]), sw["rounds"][0], sw["min_rounds"])
+    return Estimate("MAT", sw["mat"], tuple(sw["mat_ci"]), anchor_counts(sw)[0], sw["min_rounds"], "mat")
 
 
 def retention_of(v: Variant) -> Estimate:
     sw = v.stepwise
-    return Estimate("retention", sw["retention_observed"], tuple(sw["retention_ci"]),
-                    min(sw["rounds"][0], sw["rounds"][-1]), sw["min_rounds"])
+    n = anchor_counts(sw)
+    return Estimate("retention", sw["retention_observed"], tuple(sw["retention_ci"]), min(n[0], n[-1]),
+                    sw["min_rounds"], "retention")
 
 
-def greater(x: Estimate, y: Estimate, per_seed: list[tuple[float, float]] = ()) -> str:
-    """Is x > y? Judged by the intervals, given enough rounds, and by the direction in every seed."""
-    if not (x.enough and y.enough) or any(math.isnan(c) for c in (*x.ci, *y.ci)):
+def decide(diff: Interval) -> str:
+    """The verdict on "contrast > 0" from its paired interval."""
+    if any(math.isnan(x) for x in (diff.low, diff.high)):
         return INCONCLUSIVE
-    if x.ci[0] > y.ci[1]:
-        return REPRODUCED if all(a > b for a, b in per_seed) else INCONCLUSIVE
-    if x.ci[1] < y.ci[0]:
-        return NOT_REPRODUCED if all(a < b for a, b in per_seed) else INCONCLUSIVE
-    return INCONCLUSIVE
+    return REPRODUCED if diff.low > 0 else NOT_REPRODUCED if diff.high < 0 else INCONCLUSIVE
 
 
 def combine(verdicts: list[str]) -> str:
+    """A claim made of several comparisons (e.g. "better than every other variant"): reproduced
+    only if all are, not reproduced if any goes against the paper."""
     if not verdicts or MISSING in verdicts:
         return MISSING
     if NOT_REPRODUCED in verdicts:
@@ -96,24 +102,77 @@ def agree(pooled: str, per_seed: list[str]) -> str:
 
 
 class Judge:
-    """Comparisons between variants, with each seed's values of the same variants and the notes
-    on numbers that rest on too few rounds."""
+    """Paired comparisons between variants on their shared anchors, with the notes on numbers
+    that rest on too few anchors and the record of every comparison (`take_comparisons`).
+    per_seed: each seed's variants, for the per-seed differences shown beside the pooled one."""
 
-    def __init__(self, per_seed: list[list[Variant]]):
+    def __init__(self, per_seed: list[list[Variant]], samples: int = 1000, seed: int = 0):
         self.seeds = [{v.name: v for v in run} for run in per_seed]
+        self.samples, self.seed = samples, seed
         self.notes: list[str] = []
+        self.comparisons: list[dict] = []
+        self._panels: dict[int, AnchorPanel | None] = {}
 
     def greater(self, x: Variant, y: Variant, get: Callable[[Variant], Estimate]) -> str:
-        ex, ey = get(x), get(y)
-        for e, v in ((ex, x), (ey, y)):
+        """Is get(x) > get(y)? The paired difference x - y."""
+        return self.contrast([x, y], (1.0, -1.0), get, f"{x.name} - {y.name}")
+
+    def contrast(self, variants: list[Variant], coefs: tuple[float, ...], get: Callable[[Variant], Estimate],
+                 label: str) -> str:
+        """Is sum_i coefs[i] * get(variants[i]) > 0? Paired on the shared anchors."""
+        estimates = [get(v) for v in variants]
+        for e, v in zip(estimates, variants):
             note = f"{e.what} of {v.name}: {e.text()}"
             if not e.enough and note not in self.notes:
                 self.notes.append(note)
-        return greater(ex, ey, [(get(s[x.name]).value, get(s[y.name]).value) for s in self.seeds])
+        record = {"statistic": estimates[0].what, "contrast": label,
+                  "variants": [v.name for v in variants], "coefficients": list(coefs)}
+        panels = [self.panel(v) for v in variants]
+        if any(p is None for p in panels) or not all(same_anchors(panels[0], p) for p in panels[1:]):
+            self.comparisons.append(record | {"verdict": INCONCLUSIVE,
+                                              "note": "no per-anchor counts on shared anchors: cannot pair"})
+            return INCONCLUSIVE
+        diff = interval(panels, estimates[0].stat, self.samples, self.seed, coefs=coefs)
+        verdict = decide(diff) if all(e.enough for e in estimates) else INCONCLUSIVE
+        record |= {"difference": diff.estimate, "ci": [diff.low, diff.high], "se": diff.se, "mde": diff.mde,
+                   "level": diff.level, "verdict": verdict,
+                   "anchors": min(e.rounds for e in estimates), "min_rounds": estimates[0].min_rounds}
+        if self.seeds:
+            record["per_seed_difference"] = [sum(c * get(s[v.name]).value for c, v in zip(coefs, variants))
+                                             for s in self.seeds]
+        self.comparisons.append(record)
+        return verdict
+
+    def panel(self, v: Variant) -> AnchorPanel | None:
+        key = id(v.stepwise)
+        if key not in self._panels:
+            self._panels[key] = variant_panel(v)
+        return self._panels[key]
 
     def take_notes(self) -> str:
         notes, self.notes = self.notes, []
         return "; ".join(notes)
+
+    def take_comparisons(self) -> list[dict]:
+        out, self.comparisons = self.comparisons, []
+        return out
+
+
+def variant_panel(v: Variant) -> AnchorPanel | None:
+    """The variant's per-anchor chain lengths under its current protocol (None in files written
+    before stepwise.json kept them)."""
+    record = v.stepwise.get("anchors_panel")
+    return read_panel(record, v.stepwise["steps"]) if record else None
+
+
+def comparison_text(c: dict) -> str:
+    """One comparison for claims.md: difference, interval, and the smallest detectable one."""
+    if "difference" not in c:
+        return f"{c['contrast']} ({c['statistic']}): {c.get('note', 'not compared')}"
+    text = f"{c['contrast']} ({c['statistic']}): {c['difference']:+.3f} [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}]"
+    if c["verdict"] == INCONCLUSIVE:
+        text += f", detectable at 80% power: |difference| >= {c['mde']:.3f}"
+    return text
 
 
 def claim(name: str, paper: str, test: str, numbers: dict, verdict: str, note: str = "", seeds: int = 0) -> dict:
@@ -142,29 +201,40 @@ def evaluate_claims(variants: list[Variant], per_seed: list[list[Variant]] | Non
 
     def add(name, paper, test, numbers, verdict):
         c = claim(name, paper, test, numbers, verdict, judge.take_notes(), n_seeds)
+        c["comparisons"] = judge.take_comparisons()
         c["protocol"] = judged["protocol"]
         c["reference_repetition"] = judged["repetition"]
         if judged["note"]:
             c["note"] = "; ".join(filter(None, [c.get("note"), judged["note"]]))
         out.append(c)
 
+    paired = "paired difference on the shared anchors, 95% interval excludes 0"
     if ref and kv:
         deep = kv[max(kv)]
         v = judge.greater(deep, ref, alpha_at(last))
         add("P1 long-range advantage",
             f"alpha_6: 4-layer KV-only {P['alpha_6']['kv-d4']} > EAGLE-3 {P['alpha_6']['eagle3']}",
-            f"alpha_{last}({deep.name}) > alpha_{last}({ref.name}), 95% intervals",
+            f"alpha_{last}({deep.name}) > alpha_{last}({ref.name}); {paired}",
             {deep.name: alpha_at(last)(deep).text(), ref.name: alpha_at(last)(ref).text()}, v)
-    if ref and len(kv) >= 2:
-        depths = sorted(kv)
-        verdicts = [judge.greater(kv[depths[1]], kv[depths[0]], mat_of)]
-        verdicts += [judge.greater(ref, kv[d], mat_of) for d in depths]
-        m = P["mat"]
-        add("P2 depth bottleneck", f"MAT {m['kv-d1']} (1 layer) < {m['kv-d2']} (2 layers), 4 layers diminishing, "
-            f"all below EAGLE-3's {m['eagle3']}", f"MAT(depth {depths[1]}) > MAT(depth {depths[0]}) and "
-            f"MAT({ref.name}) > MAT of every KV-only depth",
-            {kv[d].name: mat_of(kv[d]).text() for d in depths} | {ref.name: mat_of(ref).text()}, combine(verdicts))
+    m = P["mat"]
+    depths = sorted(kv)
+    if len(depths) >= 2:
+        lo, hi = kv[depths[0]], kv[depths[1]]
+        add("P2 KV-only depends on depth", f"MAT {m['kv-d1']} (1 layer) < {m['kv-d2']} (2 layers)",
+            f"MAT({hi.name}) > MAT({lo.name}); {paired}",
+            {v.name: mat_of(v).text() for v in (lo, hi)}, judge.greater(hi, lo, mat_of))
+    if len(depths) >= 3:
+        d1, d2, d4 = (kv[d] for d in depths[:3])
+        add("P2 diminishing returns with depth", f"from {depths[1]} to {depths[2]} layers the gain diminishes",
+            f"MAT({d4.name}) - MAT({d2.name}) < MAT({d2.name}) - MAT({d1.name}), i.e. the contrast "
+            f"2 MAT({d2.name}) - MAT({d1.name}) - MAT({d4.name}) > 0; {paired}",
+            {v.name: mat_of(v).text() for v in (d1, d2, d4)},
+            judge.contrast([d2, d1, d4], (2.0, -1.0, -1.0), mat_of, f"2 {d2.name} - {d1.name} - {d4.name}"))
     if ref and kv:
+        add("P2 EAGLE-3 above every KV-only depth", f"every KV-only depth below EAGLE-3's MAT {m['eagle3']}",
+            f"MAT({ref.name}) > MAT of every KV-only depth; {paired}",
+            {v.name: mat_of(v).text() for v in [*kv.values(), ref]},
+            combine([judge.greater(ref, kv[d], mat_of) for d in depths]))
         verdicts, nums = [], {}
         for k in (0, 1):
             nums[f"alpha_{k} {ref.name}"] = alpha_at(k)(ref).text()
@@ -172,16 +242,16 @@ def evaluate_claims(variants: list[Variant], per_seed: list[list[Variant]] | Non
                 verdicts.append(judge.greater(ref, v, alpha_at(k)))
                 nums[f"alpha_{k} {v.name}"] = alpha_at(k)(v).text()
         add("P3 short-range disadvantage", "hidden-only wins at k = 0, 1",
-            f"alpha_0 and alpha_1 of {ref.name} > every KV-only variant", nums, combine(verdicts))
+            f"alpha_0 and alpha_1 of {ref.name} > every KV-only variant; {paired}", nums, combine(verdicts))
     if hyb:
         others = [v for v in r["paper"] if v is not hyb]
         add("hybrid best step-wise", f"MAT {P['mat']['hybrid']} vs EAGLE-3 {P['mat']['eagle3']}",
-            f"MAT({hyb.name}) > MAT of every other variant", {v.name: mat_of(v).text() for v in r["paper"]},
+            f"MAT({hyb.name}) > MAT of every other variant; {paired}", {v.name: mat_of(v).text() for v in r["paper"]},
             combine([judge.greater(hyb, v, mat_of) for v in others]))
     if hyb and ref:
         ret = P["retention"]
         add("long-range retention gain", f"alpha_6/alpha_0: {ret['eagle3']:.1%} (EAGLE-3) -> {ret['hybrid']:.1%} (hybrid)",
-            f"retention({hyb.name}) > retention({ref.name})",
+            f"retention({hyb.name}) > retention({ref.name}); {paired}",
             {hyb.name: retention_of(hyb).text(), ref.name: retention_of(ref).text()},
             judge.greater(hyb, ref, retention_of))
     seed_roles = [roles(run) for run in per_seed]
@@ -280,7 +350,10 @@ def claims_markdown(claims: list[dict], time_capped: list[str] = ()) -> str:
     """claims.md; time_capped: what stopped at its max_minutes cap (`tables.time_capped`), warned about."""
     lines = ["# Claims verdict", "", "Computed by `kvshot report` from the result files; paper numbers are "
              "Qwen3-8B's (the paper's tables), this run's are the embedded or configured scale. A number that rests "
-             "on fewer rounds than the minimum reads \"insufficient data\" and its comparison is inconclusive.", ""]
+             "on fewer distinct anchors than the minimum reads \"insufficient data\" and its comparison is inconclusive. "
+             "Comparisons are paired on the anchors every variant and seed is scored on: the difference, its 95% "
+             "interval (sequences resampled, the training seeds' variance included), and beside an inconclusive one "
+             "the smallest difference this run decides with 80% power (docs/statistics.md).", ""]
     if time_capped:
         lines += [f"**Warning:** stopped at the `max_minutes` time cap, not the step budget: {', '.join(time_capped)}. "
                   "These results depend on the machine's speed and load; raise the cap or free the machine and rerun.", ""]
@@ -295,6 +368,7 @@ def claims_markdown(claims: list[dict], time_capped: list[str] = ()) -> str:
         nums = "; ".join(f"{k}: {v}" for k, v in c["numbers"].items()) or "n/a"
         extra = [f"{c['seeds']} seeds"] if c.get("seeds") else []
         extra += [c["note"]] if c.get("note") else []
+        extra += [comparison_text(x) for x in c.get("comparisons") or []]
         verdict = f"**{c['verdict']}**" + (f" ({'; '.join(extra)})" if extra else "")
         lines.append("| " + " | ".join(cell(x) for x in (c["claim"], c["paper"], c["test"], nums, verdict)) + " |")
     return "\n".join(lines) + "\n"

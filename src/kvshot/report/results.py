@@ -94,10 +94,16 @@ def stepwise_view(sw: dict, path: str = "stepwise.json") -> dict:
     for key in ("alpha_jeffreys_ci", "cumulative_ci"):
         sw.setdefault(key, [[unknown, unknown]] * steps)
     sw.setdefault("cumulative", [unknown] * steps)
-    enough = [n >= sw["min_rounds"] for n in sw["rounds"]]
+    enough = [n >= sw["min_rounds"] for n in anchor_counts(sw)]
     sw["alpha_sufficient"], sw["mat_sufficient"] = enough, enough[0]
     sw["retention_sufficient"] = enough[0] and enough[-1]
     return sw
+
+
+def anchor_counts(sw: dict) -> list[int]:
+    """Per step, the distinct anchors the rates rest on (seed copies of an anchor count once);
+    files written before they were recorded: the pooled rounds."""
+    return sw.get("distinct_anchors") or sw["rounds"]
 
 
 def seed_folders(variant_dir: Path, sw: dict) -> list[Path]:

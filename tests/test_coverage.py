@@ -1,0 +1,43 @@
+"""Coverage and power of the step-wise intervals (resample.py), measured on clustered synthetic
+chains with a known truth (power.py), through the same `intervals` the evaluation and the claims
+call. The design is the default run's natural protocol: anchors in 100 held-out conversations,
+difficulty shared within a conversation and within an anchor by every variant and seed, three
+training seeds with a seed effect of the size the default run's per-seed spread allows
+(docs/statistics.md)."""
+from __future__ import annotations
+
+import pytest
+
+from kvshot.power import Design, coverage, decided, shifted, truth
+
+EAGLE = [0.62, 0.78, 0.80, 0.80, 0.80, 0.80, 0.80]   # shaped like the default run's drafters
+OTHER = [0.56, 0.70, 0.75, 0.75, 0.75, 0.75, 0.75]
+DEFAULT_SHAPE = Design(conversations=100, anchors=1024, seeds=3, seed_sd=0.03)
+
+
+def test_nominal_95_covers_93_to_97_percent():
+    design = Design(conversations=100, anchors=255, seeds=3, seed_sd=0.03)
+    got = coverage(design, [EAGLE, OTHER], ["alpha_0", "alpha_6", "mat", "retention"], reps=400, samples=200)
+    assert set(got) == {"alpha_0", "alpha_6", "mat", "retention",
+                        "alpha_0 diff", "alpha_6 diff", "mat diff", "retention diff"}
+    for name, share in got.items():
+        assert 0.93 <= share <= 0.97, (name, share)
+
+
+def test_one_seed_covers_too():
+    got = coverage(Design(anchors=255, seeds=1, seed_sd=0.0), [EAGLE, OTHER], ["mat", "alpha_6"], reps=300,
+                   samples=200)
+    for name, share in got.items():
+        assert 0.93 <= share <= 0.97, (name, share)
+
+
+def test_mat_difference_of_0_3_is_decided_and_a_null_is_not():
+    other = shifted(EAGLE, -0.22)
+    true = truth(DEFAULT_SHAPE, [EAGLE, other], ["mat"])["mat"]
+    assert true[0] - true[1] == pytest.approx(0.3, abs=0.03)
+    power = decided(DEFAULT_SHAPE, [EAGLE, other], "mat", reps=200, samples=200)
+    assert power["decided"] >= 0.80, power
+    # the minimum detectable effect the claims state is about the difference decided 80% of the time
+    assert 0.15 < power["mde"] < 0.3, power
+    null = decided(DEFAULT_SHAPE, [EAGLE, EAGLE], "mat", reps=200, samples=200, seed=1)
+    assert null["decided"] <= 0.07, null
