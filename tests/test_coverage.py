@@ -17,7 +17,7 @@ DEFAULT_SHAPE = Design(conversations=100, anchors=1024, seeds=3, seed_sd=0.03)
 
 def test_nominal_95_covers_93_to_97_percent():
     design = Design(conversations=100, anchors=255, seeds=3, seed_sd=0.03)
-    got = coverage(design, [EAGLE, OTHER], ["alpha_0", "alpha_6", "mat", "retention"], reps=400, samples=200)
+    got = coverage(design, [EAGLE, OTHER], ["alpha_0", "alpha_6", "mat", "retention"], reps=1000, samples=200)
     assert set(got) == {"alpha_0", "alpha_6", "mat", "retention",
                         "alpha_0 diff", "alpha_6 diff", "mat diff", "retention diff"}
     for name, share in got.items():
@@ -25,7 +25,7 @@ def test_nominal_95_covers_93_to_97_percent():
 
 
 def test_one_seed_covers_too():
-    got = coverage(Design(anchors=255, seeds=1, seed_sd=0.0), [EAGLE, OTHER], ["mat", "alpha_6"], reps=300,
+    got = coverage(Design(anchors=255, seeds=1, seed_sd=0.0), [EAGLE, OTHER], ["mat", "alpha_6"], reps=1000,
                    samples=200)
     for name, share in got.items():
         assert 0.93 <= share <= 0.97, (name, share)

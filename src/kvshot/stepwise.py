@@ -300,7 +300,7 @@ def anchor_panel(tallies: list[dict], steps: int) -> AnchorPanel:
 
 def pool_tallies(tallies: list[dict]) -> dict:
     """One tally from several drafters' tallies on the same items (the seeds of a variant):
-    per-sequence counts summed, so the prompt bootstrap still resamples whole sequences."""
+    per-sequence counts summed (the intervals come from the per-anchor panel, `anchor_panel`)."""
     groups: dict = {}
     for t in tallies:
         for key, (r, a) in t["groups"].items():

@@ -6,7 +6,7 @@ import io
 from pathlib import Path
 
 from ..io import atomic_dir, write_text
-from .results import PAPER, Variant, judged_protocol, protocol_names, roles, with_protocol
+from .results import PAPER, Variant, anchor_counts, judged_protocol, protocol_names, roles, with_protocol
 
 
 INSUFFICIENT = "insufficient data"
@@ -48,8 +48,8 @@ def by_protocol(variants: list[Variant]):
 
 
 def stepwise_rows(variants: list[Variant]) -> list[dict]:
-    """One row per protocol and variant: alpha_k with the rounds n_k it rests on, for every
-    step, and the share of the protocol's reference tokens that repeat an earlier 4-gram."""
+    """One row per protocol and variant: alpha_k with the distinct anchors n_k it rests on, for
+    every step, and the share of the protocol's reference tokens that repeat an earlier 4-gram."""
     rows = []
     for protocol, rep, under in by_protocol(variants):
         rows += [{"protocol": protocol, "repetition": rep} | row for row in _stepwise_rows(under)]
@@ -61,7 +61,7 @@ def _stepwise_rows(variants: list[Variant]) -> list[dict]:
     for v in variants:
         sw = v.stepwise
         row = {"variant": v.name, "paradigm": v.paradigm, "layers": v.layers}
-        for k, (a, n) in enumerate(zip(sw["alpha_observed"], sw["rounds"])):
+        for k, (a, n) in enumerate(zip(sw["alpha_observed"], anchor_counts(sw))):
             row |= {f"alpha_{k}": _rate(a, sw["alpha_sufficient"][k]), f"n_{k}": n}
         seeds = sw.get("across_seeds") or {}
         row |= {"MAT": _rate(sw["mat"], sw["mat_sufficient"]), "MAT 95% CI": _ci(sw["mat_ci"]),
@@ -73,6 +73,22 @@ def _stepwise_rows(variants: list[Variant]) -> list[dict]:
     return rows
 
 
+def compact_rows(variants: list[Variant]) -> list[dict]:
+    """The README's table: per variant on the judged protocol, alpha_0 and the last step's alpha
+    with the anchors behind them, MAT with its interval, retention."""
+    protocol = judged_protocol(variants)["protocol"]
+    rows = []
+    for v in with_protocol(variants, protocol):
+        sw, n = v.stepwise, anchor_counts(v.stepwise)
+        last = len(n) - 1
+        rows.append({"variant": v.name, "paradigm": v.paradigm, "layers": v.layers,
+                     "alpha_0": _rate(sw["alpha_observed"][0], sw["alpha_sufficient"][0]), "n_0": n[0],
+                     f"alpha_{last}": _rate(sw["alpha_observed"][last], sw["alpha_sufficient"][last]), f"n_{last}": n[last],
+                     "MAT": _rate(sw["mat"], sw["mat_sufficient"]), "MAT 95% CI": _ci(sw["mat_ci"]),
+                     "retention": _rate(sw["retention_observed"], sw["retention_sufficient"]), "protocol": protocol})
+    return rows
+
+
 def step_rows(variants: list[Variant]) -> list[dict]:
     """One row per protocol, variant and step: counts, alpha_k and the cumulative acceptance
     with their intervals, and the bootstrap resamples in which the step was undefined."""
@@ -80,7 +96,8 @@ def step_rows(variants: list[Variant]) -> list[dict]:
     for protocol, _, v in ((p, r, v) for p, r, under in by_protocol(variants) for v in under):
         sw = v.stepwise
         for k, n in enumerate(sw["rounds"]):
-            rows.append({"protocol": protocol, "variant": v.name, "k": k, "rounds": n, "accepted": sw["accepted"][k],
+            rows.append({"protocol": protocol, "variant": v.name, "k": k, "rounds": n,
+                         "distinct anchors": anchor_counts(sw)[k], "accepted": sw["accepted"][k],
                          "alpha_k": _rate(sw["alpha_observed"][k], sw["alpha_sufficient"][k]),
                          "alpha_k 95% CI": _ci(sw["alpha_ci"][k]), "Jeffreys CI (pooled)": _ci(sw["alpha_jeffreys_ci"][k]),
                          "undefined resamples": sw["alpha_undefined_resamples"][k],
@@ -114,8 +131,9 @@ def depth_rows(variants: list[Variant]) -> list[dict]:
     def row(v: Variant, paradigm: str) -> dict:
         sw, last = v.stepwise, v.stepwise["steps"] - 1
         return {"drafter": v.name, "paradigm": paradigm, "layers": v.layers, "protocol": protocol,
-                "MAT": _rate(sw["mat"], sw["mat_sufficient"]), "n_0": sw["rounds"][0],
-                f"alpha_{last}": _rate(sw["alpha_observed"][-1], sw["alpha_sufficient"][-1]), f"n_{last}": sw["rounds"][-1]}
+                "MAT": _rate(sw["mat"], sw["mat_sufficient"]), "n_0": anchor_counts(sw)[0],
+                f"alpha_{last}": _rate(sw["alpha_observed"][-1], sw["alpha_sufficient"][-1]),
+                f"n_{last}": anchor_counts(sw)[-1]}
 
     rows = [row(v, "KV-only") for d, v in sorted(r["kv"].items())]
     rows += [row(v, v.paradigm) for v in (r["eagle3"], r["hybrid"]) if v]
