@@ -11,9 +11,9 @@ import torch
 
 from kvshot.io import write_json
 from kvshot.metrics import chain_summary
+from kvshot.report.claims import INCONCLUSIVE, MISSING, NOT_REPRODUCED, REPRODUCED, evaluate_claims
+from kvshot.report.e2e_claim import OVERHEAD_BAND
 from kvshot.resample import panel, panel_record
-from kvshot.report.claims import (INCONCLUSIVE, MISSING, NOT_REPRODUCED, OVERHEAD_BAND, REPRODUCED,
-                                  evaluate_claims)
 from kvshot.report.results import PAPER, load_variants
 from kvshot.stepwise import by_context
 
@@ -30,7 +30,7 @@ ALPHAS = {
     "standalone": [0.95, 0.94, 0.93, 0.92, 0.91, 0.90, 0.89],   # a baseline above everything: in no claim
 }
 MIN_ROUNDS = 30
-E2E = "marginal E2E gain, 5-10% drafting overhead"
+E2E = "marginal E2E gain"
 
 
 def chain_lengths(alphas: list[float], anchors: int, seeds: int = 1, draw: int = 0) -> torch.Tensor:
@@ -86,11 +86,22 @@ def train_log(paradigm: str, gate_final: float, own_key_mass: float | None, grad
     return log
 
 
-def e2e_record(tau: float, draft_s: float, rounds: int) -> dict:
+def e2e_record(tau: float, draft_s: float, rounds: int, spread: float = 0.1, noise_seed: int = 0) -> dict:
+    """e2e.json over up to 20 prompts whose tau varies by `spread` (the same pattern for every variant
+    with the same noise_seed: perfectly paired prompts), with the per-prompt counts `e2e` writes."""
+    import numpy as np
+
+    prompts = min(20, rounds)
+    per = rounds // prompts
+    z = np.random.default_rng(noise_seed).standard_normal(prompts)
+    emitted = per * tau * (1 + spread * z)
+    counts = {"emitted": emitted.tolist(), "rounds": [per] * prompts, "draft_s": [per * draft_s] * prompts,
+              "tokens": emitted.round().tolist()}
     mode = {"tau": tau, "tokens_per_s": 100 * tau, "speedup": tau / 2, "draft_seconds_per_round": draft_s,
             "verify_seconds_per_round": 0.02, "rounds": rounds, "tokens": int(rounds * tau),
-            "accepted_per_round": tau - 1, "lossless": True}
-    return {"modes": {"chain": mode, "tree": mode}, "baseline": {"tokens_per_s": 200}}
+            "accepted_per_round": tau - 1, "lossless": True, "per_prompt": counts}
+    return {"modes": {"chain": mode, "tree": mode}, "baseline": {"tokens_per_s": 200},
+            "prompt_keys": [[i, 10] for i in range(prompts)]}
 
 
 def write_results(root: Path, alphas: dict = ALPHAS, rounds: int | None = None, gate_final: float = 0.05,
@@ -239,17 +250,6 @@ def test_retention_gain(tmp_path, alphas, rounds, verdict):
     assert verdicts(write_results(tmp_path, alphas=alphas, rounds=rounds))["long-range retention gain"] == verdict
 
 
-@pytest.mark.parametrize("kwargs,verdict", [
-    ({"draft_s": (0.010, 0.0108)}, REPRODUCED),                         # +8% overhead, +1.7% tau
-    ({"draft_s": (0.010, 0.01005)}, NOT_REPRODUCED),                    # +0.5%: positive, but outside the band
-    ({"draft_s": (0.010, 0.013)}, NOT_REPRODUCED),                      # +30%
-    ({"tau": (3.0, 3.6)}, NOT_REPRODUCED),                              # +20% tau: not marginal
-    ({"e2e_rounds": 12}, INCONCLUSIVE),                                 # too few decoding rounds
-])
-def test_e2e_overhead_against_the_papers_band(tmp_path, kwargs, verdict):
-    assert verdicts(write_results(tmp_path, **kwargs))[E2E] == verdict
-
-
 @pytest.mark.parametrize("gate_final,verdict", [(0.05, REPRODUCED), (0.6, NOT_REPRODUCED), (0.4, INCONCLUSIVE)])
 def test_gate_collapse(tmp_path, gate_final, verdict):
     assert verdicts(write_results(tmp_path, gate_final=gate_final))["gate collapse"] == verdict
@@ -349,7 +349,6 @@ def test_a_reversed_claim_needs_every_seed_reversed(tmp_path):
 def test_diagnostics_need_every_seed_to_agree(tmp_path):
     got = claims(write_results(tmp_path, seeds=[{}, {"gate_final": 0.6, "draft_s": (0.010, 0.013)}]))
     assert got["gate collapse"]["verdict"] == INCONCLUSIVE and "per-seed" in got["gate collapse"]["note"]
-    assert got[E2E]["verdict"] == INCONCLUSIVE
 
 
 def test_decide_reads_the_paired_interval():

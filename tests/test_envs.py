@@ -17,7 +17,7 @@ from .conftest import REPO
 
 # the rules whose jobs load the target or a drafter: GPU jobs at paper scale
 DEVICE_RULES = {"target", "capture_features", "target_continuations", "train_drafter", "eval_stepwise",
-                "eval_e2e", "scaling_train", "scaling_stepwise", "regenerate_data", "blockwise_train",
+                "eval_e2e", "e2e_timing", "scaling_train", "scaling_stepwise", "regenerate_data", "blockwise_train",
                 "blockwise_stepwise", "blockwise_e2e"}
 OPTIONAL_RULES = {"regenerate_data", "export_eagle3", "blockwise_train", "blockwise_stepwise", "blockwise_e2e",
                   "blockwise_report"}   # not behind `all`: asked for by config or by target

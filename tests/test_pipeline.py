@@ -78,6 +78,9 @@ def test_smoke_dag_end_to_end(tmp_path):
         assert e2e["lossless"] is True and set(e2e["modes"]) == {"chain", "tree"}
         assert [s["seed"] for s in e2e["per_seed"]] == [0, 1]
         assert e2e["modes"]["chain"]["rounds"] == sum(s["modes"]["chain"]["rounds"] for s in e2e["per_seed"])
+        assert e2e["protocol"] == "natural" and len(e2e["per_seed"][0]["modes"]["chain"]["per_prompt"]["rounds"]) == 3
+    timing = json.loads((wd / "results/eval/e2e_timing.json").read_text())
+    assert [s["seed"] for s in timing["variants"]["hybrid"]["per_seed"]] == [0, 1] and timing["prompts"] == 3
     for fig in ("decay", "depth", "gate", "gradients", "query_error", "e2e", "context"):
         assert (wd / f"figures/{fig}.pdf").read_bytes()[:4] == b"%PDF"
     claims = json.loads((wd / "results/claims.json").read_text())
@@ -89,7 +92,7 @@ def test_smoke_dag_end_to_end(tmp_path):
     for table in ("stepwise", "steps", "context", "depth", "e2e", "paper", "training"):
         assert (wd / f"results/tables/{table}.csv").exists()
     rules = ["prepare_data", "train_tokenizer", "target", "capture_features_train", "capture_features_eval",
-             "target_continuations", "report"]
+             "target_continuations", "e2e_timing", "report"]
     per_variant = [f"{r}_{name}" for r in ("eval_stepwise", "eval_e2e") for name in variants]
     per_variant += [f"train_drafter_{name}_seed{seed}" for name in variants for seed in (0, 1)]
     for rule in rules + per_variant:
@@ -103,7 +106,7 @@ def test_smoke_dag_end_to_end(tmp_path):
     assert "Nothing to be done" in (snakemake(wd, "-n", "--configfile", "config/smoke.yaml").stdout)
     (wd / "more.yaml").write_text("features:\n  kv_layers: [0, 1, 2, 3]\n")   # every variant's layers (checks.py)
     jobs = dry_run_jobs(wd, "config/smoke.yaml", "more.yaml")
-    downstream = {"train_drafter": 12, "eval_stepwise": 6, "eval_e2e": 6, "report": 1, "all": 1}
+    downstream = {"train_drafter": 12, "eval_stepwise": 6, "eval_e2e": 6, "e2e_timing": 1, "report": 1, "all": 1}
     assert jobs == {"capture_features": 2, **downstream}
     (wd / "more.yaml").write_text("drafters:\n  train:\n    lr: 0.002\n")
     assert dry_run_jobs(wd, "config/smoke.yaml", "more.yaml") == downstream
@@ -132,7 +135,7 @@ def test_paper_dag_dry_runs_with_the_default_rule_graph(tmp_path):
     paper = dry_run_jobs(wd, "config/paper.yaml")
     smoke = dry_run_jobs(wd, "config/smoke.yaml")
     shared = {"prepare_data": 1, "train_tokenizer": 1, "target": 1, "capture_features": 2,
-              "target_continuations": 1, "eval_stepwise": 6, "eval_e2e": 6, "report": 1, "all": 1}
+              "target_continuations": 1, "eval_stepwise": 6, "eval_e2e": 6, "e2e_timing": 1, "report": 1, "all": 1}
     # one training job per variant and seed (drafters.seeds: default 3, smoke 2, paper 1)
     assert default == shared | {"train_drafter": 18}
     assert smoke == shared | {"train_drafter": 12}

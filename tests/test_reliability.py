@@ -316,7 +316,8 @@ def test_damaged_continuations_is_one_line(tmp_path, stage, cut):
     _continuations(cont, cut)
     proc = _stage(stage, "--config", str(REPO / "config/config.yaml"), "--config", str(REPO / "config/smoke.yaml"),
                   "--drafter", str(tmp_path / "drafter"), "--target", str(tmp_path / "target"),
-                  "--continuations", str(cont), "--features-index", str(tmp_path / "index.json"),
+                  "--prompts" if stage == "eval-e2e" else "--continuations", str(cont),
+                  "--features-index", str(tmp_path / "index.json"),
                   "--out", str(tmp_path / "out.json"))
     line = _last_line(proc)
     what = "not a complete JSON file" if cut else "expected {'eos_id', 'items'"

@@ -94,8 +94,14 @@ def _cmd_eval_stepwise(args, cfg) -> dict:
 def _cmd_eval_e2e(args, cfg) -> dict:
     from .e2e import run_e2e_stage
 
-    return run_e2e_stage(cfg, runtime(cfg), args.drafter, args.target, args.continuations, args.features_index,
-                         args.out)
+    return run_e2e_stage(cfg, runtime(cfg), args.drafter, args.target, args.prompts, args.features_index, args.out)
+
+
+def _cmd_e2e_timing(args, cfg) -> dict:
+    from .e2e import run_e2e_timing_stage
+
+    return run_e2e_timing_stage(cfg, runtime(cfg), args.reference, args.hybrid, args.target, args.prompts,
+                                args.features_index, args.out)
 
 
 def _cmd_report(args, cfg) -> dict:
@@ -143,6 +149,7 @@ STAGES = {
     "target-continuations": (_cmd_target_continuations, ("target", "eval")),
     "eval-stepwise": (_cmd_eval_stepwise, ("target", "drafters", "eval")),
     "eval-e2e": (_cmd_eval_e2e, ("target", "drafters", "eval")),
+    "e2e-timing": (_cmd_e2e_timing, ("target", "drafters", "eval")),
     "report": (_cmd_report, ("drafters",)),
     "scaling-report": (_cmd_scaling_report, ("drafters", "scaling")),
     "blockwise-report": (_cmd_blockwise_report, ("drafters", "blockwise")),
@@ -163,6 +170,7 @@ STAGE_HELP = {
     "target-continuations": "the target's greedy continuations of the eval prompts (the step-wise reference)",
     "eval-stepwise": "chain-drafting simulation: per-step acceptance alpha_k, MAT, retention, intervals",
     "eval-e2e": "real speculative decoding (chain and tree) against plain decoding: tau, speedup, lossless",
+    "e2e-timing": "EAGLE-3's and the hybrid's drafting time per round, timed alternately in one process",
     "report": "tables, figures and the claims verdict from the result files",
     "scaling-report": "MAT against the number of training samples (figures/scaling.pdf)",
     "blockwise-report": "block-wise drafters vs the KV-only chains: figures/blockwise.pdf, table, verdicts",
@@ -181,6 +189,9 @@ PATH_HELP = {
     "eval-features": "eval features folder (results/features/eval)",
     "drafter": "the variant's drafter folders, one per training seed (results/drafters/<variant>/seed<N>)",
     "continuations": "target continuations JSON (results/eval/continuations.json)",
+    "prompts": "the decoding prompts: the natural protocol's real prefixes (results/eval/natural.json)",
+    "reference": "EAGLE-3's drafter folders, one per training seed (results/drafters/<variant>/seed<N>)",
+    "hybrid": "the hybrid's drafter folders, one per training seed, in the same seed order",
     "features-index": "a features index.json (its aux layers are the drafter's inputs)",
     "results": "the results folder",
     "tables": "folder for the tables (csv, md, tex)",
@@ -209,7 +220,8 @@ def parser() -> argparse.ArgumentParser:
         "train-drafter": ("variant", "train-features", "eval-features", "target", "out"),
         "target-continuations": ("eval", "target", "out"),
         "eval-stepwise": ("drafter", "target", "continuations", "features-index", "out"),
-        "eval-e2e": ("drafter", "target", "continuations", "features-index", "out"),
+        "eval-e2e": ("drafter", "target", "prompts", "features-index", "out"),
+        "e2e-timing": ("reference", "hybrid", "target", "prompts", "features-index", "out"),
         "scaling-report": ("results", "figure", "table"),
         "blockwise-report": ("results", "figure", "table", "claims-md", "claims-json"),
         "report": ("results", "tables", "figures", "claims-md", "claims-json"),
@@ -217,8 +229,8 @@ def parser() -> argparse.ArgumentParser:
     for stage, names in paths.items():
         s = sub.add_parser(stage, parents=[common], help=STAGE_HELP[stage], description=STAGE_HELP[stage])
         for name in names:
-            if name == "drafter":   # one variant's drafters, one per training seed
-                s.add_argument("--drafter", required=True, nargs="+", help=PATH_HELP[name])
+            if name in ("drafter", "reference", "hybrid"):   # one variant's drafters, one per training seed
+                s.add_argument(f"--{name}", required=True, nargs="+", help=PATH_HELP[name])
             else:
                 s.add_argument(f"--{name}", required=True, help=PATH_HELP[name])
         if stage == "prepare-data":

@@ -2,6 +2,11 @@
 against plain decoding in the same harness and the same run, checked lossless token by token
 against plain greedy decoding (and that against the target's own cached `generate` output).
 
+Prompts are real held-out assistant prefixes, the natural protocol's (results/eval/natural.json,
+at most one per conversation: `e2e_prompts`), so the decoded text is the target continuing real
+text, not its own looping greedy continuations. Counts are kept per seed and prompt (`per_prompt`)
+for the prompt-bootstrap intervals (`prompt_bootstrap`) and the paired E2E claim.
+
 In bf16 a verify forward over several rows and a one-row decode forward round differently,
 so where the target's two best logits are within rounding of each other the two greedy
 outputs may part ways without either being wrong. Every divergence is classified by the
@@ -10,8 +15,10 @@ place of the target dtype at that magnitude) or a real error; only real errors f
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,13 +28,54 @@ from .data import DataError
 from .decode import DecodeResult, DraftSpec, plain_generate, speculative_generate
 from .io import read_json, write_json
 from .progress import progress
-from .stepwise import drafter_seed, drafter_variant, read_continuations
+from .prompt_bootstrap import ratio
+from .stepwise import drafter_seed, drafter_variant, read_continuations, repetition_share
 
 
 def specs(cfg: dict) -> dict[str, DraftSpec]:
     tree = cfg["eval"]["e2e"]["tree"]
     return {"chain": DraftSpec(depth=cfg["drafters"]["ttt_steps"], topk=1),
             "tree": DraftSpec(depth=tree["depth"], topk=tree["topk"], total_tokens=tree["total_tokens"])}
+
+
+def e2e_prompts(items: list[dict], n: int, seed: int) -> list[dict]:
+    """n prompts, at most one per conversation (anchors of one conversation share its text: under a
+    prompt bootstrap they would not be independent), the anchor within each conversation drawn
+    with `seed`; items without a `conversation` (the continuations protocol) are taken in order."""
+    if not any("conversation" in it for it in items):
+        return items[:n]
+    by_conversation: dict = {}
+    for it in items:
+        by_conversation.setdefault(it["conversation"], []).append(it)
+    rng = random.Random(seed)
+    return [rng.choice(group) for _, group in sorted(by_conversation.items())][:n]
+
+
+def prompt_key(item: dict) -> list[int]:
+    """What identifies a prompt across variants' files: its conversation (if any) and length."""
+    return [item.get("conversation", -1), len(item["prompt"])]
+
+
+def per_prompt(runs: list[DecodeResult]) -> dict:
+    """The counts each prompt adds (in prompt order): the cells of the prompt bootstrap."""
+    return {"emitted": [sum(r.emitted) for r in runs], "rounds": [r.rounds for r in runs],
+            "draft_s": [r.draft_s for r in runs], "tokens": [len(r.tokens) for r in runs]}
+
+
+def seed_prompt_table(per_seed_counts: list[dict], field: str):
+    """[seeds, prompts] array of one per-prompt count."""
+    import numpy as np
+
+    return np.array([c[field] for c in per_seed_counts], dtype=float)
+
+
+def pooled_intervals(per_seed_counts: list[dict], samples: int, seed: int) -> dict:
+    """tau and drafting seconds per round over every seed and prompt, with crossed prompt x seed
+    bootstrap intervals (`prompt_bootstrap`)."""
+    rounds = seed_prompt_table(per_seed_counts, "rounds")
+    return {"tau": ratio(seed_prompt_table(per_seed_counts, "emitted"), rounds, samples, seed).as_dict(),
+            "draft_seconds_per_round": ratio(seed_prompt_table(per_seed_counts, "draft_s"), rounds, samples,
+                                             seed).as_dict()}
 
 
 NEAR_TIE_ULPS = 4   # a verify forward and a decode forward differ by a few roundings per logit
@@ -79,6 +127,7 @@ def summarize(runs: list, baseline: list, dtype: torch.dtype, ulps: float = NEAR
         "accepted_per_round": sum(sum(r.accepted) for r in runs) / max(rounds, 1),
         "verify_attention": sorted({r.verify_attention for r in runs if r.verify_attention}),
         **match_summary([r.tokens for r in runs], baseline, dtype, ulps),
+        "per_prompt": per_prompt(runs),
     }
 
 
@@ -94,11 +143,13 @@ def across_seed_modes(per_seed: list[dict]) -> dict:
 
 
 @torch.no_grad()
-def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: str, continuations: str,
+def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: str, prompts: str,
                   features_index: str, out_path: str) -> dict:
     """e2e.json for one variant's drafters (one per training seed): per-seed records in
-    `per_seed`, and `modes` summarized over every seed's runs together (the seed-averaged drafter).
-    Plain decoding runs once per prompt, interleaved with the speculative runs it is timed against."""
+    `per_seed` (with per-prompt counts), and `modes` summarized over every seed's runs together
+    (the seed-averaged drafter) with prompt x seed bootstrap intervals of tau and drafting time.
+    Plain decoding runs once per prompt, interleaved with the speculative runs it is timed against.
+    `prompts`: results/eval/natural.json (or a continuations file: its prompts in order)."""
     from .drafters import load_drafter
     from .target import load_target
 
@@ -107,20 +158,19 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: s
     ecfg = cfg["eval"]["e2e"]
     use_attention(cfg["drafters"].get("attention", "auto"))
     drafter_dirs = [drafter_dirs] if isinstance(drafter_dirs, (str, Path)) else list(drafter_dirs)
-    cont = read_continuations(continuations)   # before the models load: a damaged file fails fast
+    cont = read_continuations(prompts)   # before the models load: a damaged file fails fast
+    items = e2e_prompts(cont["items"], ecfg["prompts"], cfg["seed"])
+    if not items:
+        raise DataError(f"{prompts}: no prompts for eval.e2e")
     target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
     drafters = [load_drafter(d, rt.device).eval() for d in drafter_dirs]
     aux = tuple(read_json(features_index)["spec"]["aux_layers"]) if drafters[0].reads_aux_hidden else None
-    items = cont["items"][: ecfg["prompts"]]
     n_new, eos = ecfg["max_new_tokens"], cont["eos_id"]
     modes = specs(cfg)
     if getattr(drafters[0], "block_wise", False):   # a block drafter drafts chains only (one forward per round)
         modes = {"chain": modes["chain"]}
-    # what target.generate(do_sample=False) produced, cut to this stage's length
+    # what target.generate(do_sample=False) produced (natural: its short rollout), cut to this stage's length
     reference = [it["continuation"][:n_new] for it in items]
-    if any(len(it["continuation"]) < n_new and it["continuation"][-1:] != [eos] for it in items):
-        raise DataError(f"{continuations}: continuations shorter than eval.e2e.max_new_tokens={n_new} "
-                        "(eval.max_new_tokens sets their length: raise it, or lower eval.e2e.max_new_tokens)")
 
     def ids(it):
         return torch.tensor([it["prompt"]], device=rt.device)
@@ -146,22 +196,104 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: s
     per_seed = [{"seed": drafter_seed(d), "drafter": str(d), "modes": mode_summaries(own, baseline)}
                 for d, own in zip(drafter_dirs, runs)]
     pooled = {m: [r for own in runs for r in own[m]] for m in modes}
+    pooled_modes = mode_summaries(pooled, baseline * len(drafters))
+    for m, summary in pooled_modes.items():   # cells are per seed and prompt: per_seed holds them
+        del summary["per_prompt"]
+        summary["intervals"] = pooled_intervals([s["modes"][m]["per_prompt"] for s in per_seed],
+                                                cfg["eval"]["bootstrap_samples"], cfg["seed"])
+    generated = [{"prompt": it["prompt"], "continuation": b.tokens} for it, b in zip(items, baseline)]
+    # the reference the prefixes are compared on: the target's generate() output (short for natural rollouts)
+    baseline_cut = [replace(b, tokens=b.tokens[: len(ref)]) for b, ref in zip(baseline, reference)]
     result = {
         "variant": variant, "paradigm": drafters[0].cfg.paradigm, "layers": drafters[0].cfg.num_layers,
-        "modes": mode_summaries(pooled, baseline * len(drafters)),
+        "protocol": cont.get("protocol", "continuations"), "prompt_keys": [prompt_key(it) for it in items],
+        # how much of the decoded text repeats an earlier 4-gram (the plain greedy output)
+        "reference_repetition": repetition_share(generated),
+        "modes": pooled_modes,
         "pooled": f"{len(drafters)} training seeds: every seed's runs together" if len(drafters) > 1 else "one training seed",
         "per_seed": per_seed,
         "across_seeds": across_seed_modes(per_seed),
         # plain decoding against target.generate: same target, a different harness
         "baseline": {"tokens_per_s": statistics.median(b.tokens_per_s for b in baseline),
                      "seconds_per_token": sum(b.total_s for b in baseline) / max(1, sum(len(b.tokens) for b in baseline)),
-                     **match_summary(reference, baseline, target.dtype, ulps)},
+                     **match_summary(reference, baseline_cut, target.dtype, ulps)},
         "target_attention": target.config._attn_implementation, "target_dtype": str(target.dtype).split(".")[-1],
         "near_tie_ulps": ulps,
         "prompts": len(items), "max_new_tokens": n_new, "device": rt.device, "threads": torch.get_num_threads(),
-        "timing": "medians over prompts after warm-up; tau and per-round times are totals over all rounds",
+        "timing": "medians over prompts after warm-up; tau and per-round times are totals over all rounds; "
+                  "intervals: prompt x seed bootstrap (prompt_bootstrap)",
         "seconds": time.time() - start,
     }
     result["lossless"] = all(m["lossless"] for m in result["modes"].values())
     write_json(out_path, result)
     return {m: {k: v[k] for k in ("tau", "speedup", "lossless", "exact_match_rate")} for m, v in result["modes"].items()}
+
+
+@torch.no_grad()
+def run_e2e_timing_stage(cfg: dict, rt: Runtime, reference_dirs: list[str], hybrid_dirs: list[str], target_dir: str,
+                         prompts: str, features_index: str, out_path: str) -> dict:
+    """e2e_timing.json: EAGLE-3's and the hybrid's drafters (one per training seed, paired by
+    index) decode the same prompts in one process, chain mode, alternating variant by variant
+    within every prompt and seed, the order reversed from one prompt to the next, so the speed
+    drift of a shared CPU falls on both alike. Per-prompt counts per variant and seed, and the
+    hybrid's drafting time per round over EAGLE-3's with a paired prompt x seed interval."""
+    from .drafters import load_drafter
+    from .drafters.attention import use_attention
+    from .prompt_bootstrap import paired_ratio_change
+    from .target import load_target
+
+    ecfg = cfg["eval"]["e2e"]
+    if len(reference_dirs) != len(hybrid_dirs):
+        raise DataError(f"e2e-timing: {len(reference_dirs)} reference drafters but {len(hybrid_dirs)} hybrid "
+                        "drafters: the seeds are paired, give one of each per seed")
+    use_attention(cfg["drafters"].get("attention", "auto"))
+    cont = read_continuations(prompts)
+    items = e2e_prompts(cont["items"], ecfg["prompts"], cfg["seed"])
+    if not items:
+        raise DataError(f"{prompts}: no prompts for eval.e2e")
+    target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
+    aux_layers = tuple(read_json(features_index)["spec"]["aux_layers"])
+    groups = {}
+    for dirs in (reference_dirs, hybrid_dirs):
+        drafters = [load_drafter(d, rt.device).eval() for d in dirs]
+        groups[drafter_variant(dirs[0])] = (dirs, drafters, aux_layers if drafters[0].reads_aux_hidden else None)
+    if len(groups) != 2:
+        raise DataError("e2e-timing: --reference and --hybrid name the same variant")
+    names, chain = list(groups), specs(cfg)["chain"]
+    n_new, eos = ecfg["max_new_tokens"], cont["eos_id"]
+
+    def decode(name: str, seed_index: int, it: dict, tokens: int) -> DecodeResult:
+        _, drafters, aux = groups[name]
+        ids = torch.tensor([it["prompt"]], device=rt.device)
+        return speculative_generate(target, drafters[seed_index], ids, tokens, eos, aux, chain)
+
+    for it in items[: ecfg["warmup"]]:
+        for name in names:
+            for s in range(len(reference_dirs)):
+                decode(name, s, it, 8)
+    start = time.time()
+    runs = {name: [[] for _ in reference_dirs] for name in names}
+    for p, it in enumerate(progress(items, desc="e2e timing", unit="prompt")):
+        for s in range(len(reference_dirs)):
+            for name in (names if p % 2 == 0 else names[::-1]):
+                runs[name][s].append(decode(name, s, it, n_new))
+    counts = {name: [per_prompt(own) for own in runs[name]] for name in names}
+    samples, seed = cfg["eval"]["bootstrap_samples"], cfg["seed"]
+    ref, hyb = names
+    overhead = paired_ratio_change(seed_prompt_table(counts[ref], "draft_s"), seed_prompt_table(counts[ref], "rounds"),
+                                   seed_prompt_table(counts[hyb], "draft_s"), seed_prompt_table(counts[hyb], "rounds"),
+                                   samples, seed)
+    result = {
+        "reference": ref, "hybrid": hyb, "mode": "chain", "spec": vars(chain),
+        "protocol": cont.get("protocol", "continuations"), "prompt_keys": [prompt_key(it) for it in items],
+        "prompts": len(items), "max_new_tokens": n_new, "device": rt.device, "threads": torch.get_num_threads(),
+        "order": "per prompt and seed both variants, the order reversed every other prompt",
+        "variants": {name: {"per_seed": [{"seed": drafter_seed(d), "drafter": str(d), "per_prompt": c}
+                                         for d, c in zip(groups[name][0], counts[name])],
+                            **pooled_intervals(counts[name], samples, seed)} for name in names},
+        "draft_overhead": overhead.as_dict(),
+        "seconds": time.time() - start,
+    }
+    write_json(out_path, result)
+    return {"draft_overhead": overhead.value, "ci": list(overhead.ci),
+            **{f"draft ms/round {n}": 1e3 * result["variants"][n]["draft_seconds_per_round"]["value"] for n in names}}

@@ -54,7 +54,7 @@ use rule eval_e2e as blockwise_e2e with:
     input:
         drafters=drafter_seeds("results/blockwise/drafters/{variant}", SEEDS),
         target="results/target/model",
-        continuations="results/eval/continuations.json",
+        prompts="results/eval/natural.json",
         features="results/features/eval",
     output:
         "results/blockwise/eval/{variant}/e2e.json",

@@ -58,7 +58,7 @@ rule eval_e2e:
     input:
         drafters=drafter_seeds("results/drafters/{variant}", SEEDS),
         target="results/target/model",
-        continuations="results/eval/continuations.json",
+        prompts="results/eval/natural.json",   # real held-out assistant prefixes (the natural protocol's)
         features="results/features/eval",
     output:
         "results/eval/{variant}/e2e.json",
@@ -78,5 +78,32 @@ rule eval_e2e:
         runtime=60,
     shell:
         "python -m kvshot eval-e2e --config {params.cfg:q} --threads {threads} --drafter {input.drafters}"
-        " --target {input.target} --continuations {input.continuations}"
+        " --target {input.target} --prompts {input.prompts}"
+        " --features-index {input.features}/index.json --out {output} > {log} 2>&1"
+
+
+rule e2e_timing:
+    input:
+        reference=drafter_seeds(f"results/drafters/{E2E_TIMED[0] if E2E_TIMED else 'none'}", SEEDS),
+        hybrid=drafter_seeds(f"results/drafters/{E2E_TIMED[-1] if E2E_TIMED else 'none'}", SEEDS),
+        target="results/target/model",
+        prompts="results/eval/natural.json",
+        features="results/features/eval",
+    output:
+        "results/eval/e2e_timing.json",
+    params:
+        cfg=e2e_timing_params,
+    log:
+        log_path("e2e_timing"),
+    benchmark:
+        bench_path("e2e_timing")
+    conda:
+        DEVICE_ENV
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=60,
+    shell:
+        "python -m kvshot e2e-timing --config {params.cfg:q} --threads {threads} --reference {input.reference}"
+        " --hybrid {input.hybrid} --target {input.target} --prompts {input.prompts}"
         " --features-index {input.features}/index.json --out {output} > {log} 2>&1"

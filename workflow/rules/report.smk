@@ -6,6 +6,7 @@ rule report:
         stepwise=expand("results/eval/{variant}/stepwise.json", variant=VARIANTS),
         natural=expand("results/eval/{variant}/stepwise_natural.json", variant=VARIANTS),
         e2e=expand("results/eval/{variant}/e2e.json", variant=VARIANTS),
+        e2e_timing=["results/eval/e2e_timing.json"] if E2E_TIMED else [],   # eval.smk
         drafters=expand("results/drafters/{variant}/seed{seed}", variant=VARIANTS, seed=SEEDS),
     output:
         tables=report(

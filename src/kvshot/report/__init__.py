@@ -52,10 +52,11 @@ STEPWISE_NOTE = ("n_k: distinct anchors that reached step k (seed copies count o
                  "tokens that complete a 4-gram already seen in the same sequence; the claims are judged on a protocol "
                  "whose repetition is at most `eval.max_repetition`. alpha_k by context length: "
                  "`results/tables/context.md`, `figures/context.pdf`.")
-MAT_TAU_NOTE = ("Step-wise MAT and E2E tau differ by design (column `tau - MAT`): MAT drafts from every anchor of every "
-                "continuation, while decoding drafts only where the previous round stopped, so its anchors follow the "
-                "accepted runs; decoding covers only the first `eval.e2e.prompts` prompts and `eval.e2e.max_new_tokens` "
-                "tokens, and its rounds near that limit cannot accept all K drafts.")
+MAT_TAU_NOTE = ("Step-wise MAT (of the protocol the decoding prompts come from: natural) and E2E tau differ by design "
+                "(column `tau - MAT`): MAT drafts from every anchor, while decoding drafts only where the previous round "
+                "stopped, so its anchors follow the accepted runs; decoding covers `eval.e2e.prompts` real held-out "
+                "prefixes (one per conversation) and `eval.e2e.max_new_tokens` tokens, and its rounds near that limit "
+                "cannot accept all K drafts. tau 95% CI: prompt x seed bootstrap.")
 
 
 def update_readme(results: str, variants: list[str], readme: str, image: str, full: str | None = None) -> None:

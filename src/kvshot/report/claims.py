@@ -22,18 +22,17 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..resample import AnchorPanel, Interval, interval, read_panel, same_anchors
+from .e2e_claim import e2e_claim   # the E2E claim: an equivalence test on paired tau (its own module)
+from .verdicts import INCONCLUSIVE, MISSING, NOT_REPRODUCED, REPRODUCED, agree, claim, combine  # noqa: F401
 from .results import PAPER, Variant, anchor_counts, judged_protocol, roles, seed_runs, with_protocol
 
-REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, MISSING = "reproduced", "not reproduced", "inconclusive", "not measured"
 
 GATE_COLLAPSE_RATIO = 0.5      # final gate share |g delta|/|h| below half its initial value
 GATE_SHARE_NEGLIGIBLE = 0.01   # a KV branch that adds under 1% of |h| is effectively unused (noted)
 GATE_SHARE = "gate_share"      # train_log field: per hybrid layer, |g * delta| / |h| over scored rows
 KV_KEY_SHARE_SPARSE = 0.2      # under 20% of the attention mass on keys from the drafter's own W_K/W_V
 KV_GRAD_RATIO_SPARSE = 0.5     # |grad W_K,W_V| below half of |grad W_Q,W_O| (median over training)
-E2E_MARGINAL = 0.05            # |tau gain| within 5%
 OWN_KEY_MASS = "kv_own_key_mass"   # train_log field: measured attention mass on the drafter's own keys
-OVERHEAD_BAND = PAPER["draft_overhead"]
 
 
 @dataclass(frozen=True)
@@ -83,22 +82,6 @@ def decide(diff: Interval) -> str:
     if any(math.isnan(x) for x in (diff.low, diff.high)):
         return INCONCLUSIVE
     return REPRODUCED if diff.low > 0 else NOT_REPRODUCED if diff.high < 0 else INCONCLUSIVE
-
-
-def combine(verdicts: list[str]) -> str:
-    """A claim made of several comparisons (e.g. "better than every other variant"): reproduced
-    only if all are, not reproduced if any goes against the paper."""
-    if not verdicts or MISSING in verdicts:
-        return MISSING
-    if NOT_REPRODUCED in verdicts:
-        return NOT_REPRODUCED
-    return REPRODUCED if all(v == REPRODUCED for v in verdicts) else INCONCLUSIVE
-
-
-def agree(pooled: str, per_seed: list[str]) -> str:
-    """A diagnostic's verdict stands only if every seed that measured it gives the same one."""
-    measured = [v for v in per_seed if v != MISSING]
-    return pooled if pooled == MISSING or all(v == pooled for v in measured) else INCONCLUSIVE
 
 
 class Judge:
@@ -175,15 +158,6 @@ def comparison_text(c: dict) -> str:
     return text
 
 
-def claim(name: str, paper: str, test: str, numbers: dict, verdict: str, note: str = "", seeds: int = 0) -> dict:
-    out = {"claim": name, "paper": paper, "test": test, "numbers": numbers, "verdict": verdict}
-    if note:
-        out["note"] = note
-    if seeds:
-        out["seeds"] = seeds
-    return out
-
-
 def evaluate_claims(variants: list[Variant], per_seed: list[list[Variant]] | None = None) -> list[dict]:
     """Every claim's verdict. Step-wise claims are judged on one evaluation protocol
     (`results.judged_protocol`: a reference that repeats itself at most eval.max_repetition),
@@ -255,7 +229,7 @@ def evaluate_claims(variants: list[Variant], per_seed: list[list[Variant]] | Non
             {hyb.name: retention_of(hyb).text(), ref.name: retention_of(ref).text()},
             judge.greater(hyb, ref, retention_of))
     seed_roles = [roles(run) for run in per_seed]
-    out.append(_per_seed(_e2e_claim, (ref, hyb), [(s["eagle3"], s["hybrid"]) for s in seed_roles]))
+    out.append(e2e_claim(ref, hyb))   # pools the seeds itself (prompt x seed bootstrap)
     out.append(_per_seed(_gate_claim, (hyb,), [(s["hybrid"],) for s in seed_roles]))
     deepest = lambda rr: rr["kv"][max(rr["kv"])] if rr["kv"] else None   # noqa: E731
     out.append(_per_seed(_gradient_claim, (deepest(r),), [(deepest(s),) for s in seed_roles]))
@@ -272,27 +246,6 @@ def _per_seed(test: Callable[..., dict], pooled_args: tuple, seed_args: list[tup
             result["note"] = "; ".join(filter(None, [result.get("note"), f"per-seed verdicts differ: {seeds}"]))
         result["verdict"], result["seeds"] = verdict, len(seeds)
     return result
-
-
-def _e2e_claim(ref: Variant | None, hyb: Variant | None) -> dict:
-    lo, hi = OVERHEAD_BAND
-    name = f"marginal E2E gain, {lo * 100:g}-{hi * 100:g}% drafting overhead"
-    paper = (f"tau {PAPER['tau']['eagle3']} -> {PAPER['tau']['hybrid']}; cross-attention adds "
-             f"{lo * 100:g}-{hi * 100:g}% drafting latency")
-    test = (f"|tau(hybrid)/tau(EAGLE-3) - 1| <= {E2E_MARGINAL:.0%} (chain) and drafting time per round of hybrid "
-            f"{lo:.0%}-{hi:.0%} above EAGLE-3's; fewer rounds than min_rounds: inconclusive")
-    if not (ref and hyb and ref.e2e and hyb.e2e):
-        return claim(name, paper, test, {}, MISSING)
-    a, b = hyb.e2e["modes"]["chain"], ref.e2e["modes"]["chain"]
-    gain = a["tau"] / b["tau"] - 1
-    overhead = a["draft_seconds_per_round"] / b["draft_seconds_per_round"] - 1
-    rounds, min_rounds = min(a.get("rounds", 0), b.get("rounds", 0)), ref.stepwise["min_rounds"]
-    nums = {"tau gain": f"{gain:+.1%}", "drafting overhead": f"{overhead:+.1%}", "rounds": str(rounds),
-            f"tau {ref.name}": f"{b['tau']:.3f}", f"tau {hyb.name}": f"{a['tau']:.3f}"}
-    if rounds < min_rounds:
-        return claim(name, paper, test, nums, INCONCLUSIVE, f"{rounds} decoding rounds < min_rounds {min_rounds}")
-    ok = abs(gain) <= E2E_MARGINAL and lo <= overhead <= hi
-    return claim(name, paper, test, nums, REPRODUCED if ok else NOT_REPRODUCED)
 
 
 def _gate_claim(hyb: Variant | None) -> dict:

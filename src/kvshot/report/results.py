@@ -133,6 +133,8 @@ def train_records(variant_dir: Path, sw: dict) -> tuple[dict, list]:
 def load_variants(results: str | Path, names: list[str], with_e2e: bool = True,
                   with_train: bool = True) -> list[Variant]:
     results = Path(results)
+    timing_path = results / "eval" / "e2e_timing.json"   # EAGLE-3 and the hybrid timed in one job (E2E claim)
+    timing = read_json(timing_path) if with_e2e and timing_path.exists() else None
     out = []
     for name in names:
         path = results / "eval" / name / "stepwise.json"
@@ -144,10 +146,11 @@ def load_variants(results: str | Path, names: list[str], with_e2e: bool = True,
                 protocols[protocol] = stepwise_view(read_json(other), str(other))
         e2e_path = results / "eval" / name / "e2e.json"
         train, log = train_records(results / "drafters" / name, sw) if with_train else ({}, [])
+        e2e = read_json(e2e_path) if with_e2e and e2e_path.exists() else None
+        if e2e is not None and timing and name in timing.get("variants", {}):
+            e2e["timing"] = timing
         out.append(Variant(name=name, paradigm=sw["paradigm"], layers=sw["layers"], stepwise=sw,
-                           train=train, log=log,
-                           e2e=read_json(e2e_path) if with_e2e and e2e_path.exists() else None,
-                           protocols=protocols))
+                           train=train, log=log, e2e=e2e, protocols=protocols))
     return out
 
 
