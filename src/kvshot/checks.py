@@ -112,8 +112,10 @@ def check_consistency(cfg: dict, fail: Callable[[list[str], str], None]) -> None
     if ev is not None and data is not None and not ev.get("prompt_sources") and ev["prompts"] > data["eval_samples"]:
         fail(["eval", "prompts"], f"{ev['prompts']} prompts from {data['eval_samples']} eval samples "
              f"(raise data.eval_samples or lower eval.prompts)")
-    if ev is not None and ev["e2e"]["prompts"] > ev["prompts"]:
-        fail(["eval", "e2e", "prompts"], f"{ev['e2e']['prompts']} is more than eval.prompts ({ev['prompts']})")
+    if ev is not None and data is not None and ev["e2e"]["prompts"] > data["eval_samples"]:
+        # one natural-protocol prefix per held-out conversation
+        fail(["eval", "e2e", "prompts"], f"{ev['e2e']['prompts']} is more than the {data['eval_samples']} held-out "
+             f"conversations (data.eval_samples) that hold its prefixes")
     shape = target_shape(cfg)
     if shape is not None:
         _check_target_fit(cfg, shape, fail)

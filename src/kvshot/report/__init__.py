@@ -8,7 +8,7 @@ from ..io import read_json, write_json, write_text
 from .claims import claims_markdown, evaluate_claims
 from .figures import FIGURES
 from .results import load_variants
-from .tables import _rate, time_capped, write_tables
+from .tables import time_capped, write_tables
 
 
 def run_report(results: str, variants: list[str], tables_dir: str, figures_dir: str, claims_md: str,
@@ -119,51 +119,15 @@ def _replace_block(text: str, readme: str, start: str, end: str, block: str) -> 
 
 
 BLOCKWISE_START, BLOCKWISE_END = "<!-- blockwise:start -->", "<!-- blockwise:end -->"
-BLOCKWISE_COLUMNS = {"variant": "variant", "kind": "kind", "context": "context", "layers": "layers",
-                     "position_decay": "position weight ratio", "refine_passes": "refine passes",
-                     "alpha_0": "alpha_0", "n_0": "n_0", "alpha_last": None, "n_last": None, "MAT": "MAT",
-                     "MAT_ci": "MAT 95% CI", "kv_grad_ratio": "grad W_K,W_V / W_Q,W_O", "tau_chain": "tau (chain)",
-                     "draft_ms": "draft ms/round", "lossless": "lossless"}
-
-
-def _cell(text: str | None) -> str:
-    """A CSV cell for the README: numbers to 3 decimals, integers and words as they are."""
-    if text in (None, ""):
-        return ""
-    try:
-        return text if text.lstrip("-").isdigit() else f"{float(text):.3f}"
-    except ValueError:
-        return text
-
-
 def blockwise_readme_block(results: str) -> str:
-    """The block-wise target's table (results/blockwise/blockwise.csv, a subset of its columns) and
-    verdicts (results/blockwise/claims.json), between the blockwise markers."""
-    import csv
-
-    from .tables import _markdown
-
+    """The block-wise target's verdicts (results/blockwise/claims.json), one line each, between the
+    blockwise markers; its table stays in results/blockwise/blockwise.csv."""
     base = Path(results) / "blockwise"
-    with open(base / "blockwise.csv", newline="") as f:
-        reader = csv.DictReader(f)
-        k = max(int(c.split("_")[1]) for c in reader.fieldnames if c[6:].isdigit() and c[:6] == "alpha_")
-        labels = {"alpha_last": f"alpha_{k}", "n_last": f"n_{k}"}
-        rows = []
-        for r in reader:
-            r["alpha_last"], r["n_last"] = r[f"alpha_{k}"], r[f"n_{k}"]
-            for a, n in (("alpha_0", "n_0"), ("alpha_last", "n_last")):   # the minimum-rounds rule, as in the main tables
-                r[a] = _rate(r[a], int(r[n]) >= int(r["min_rounds"]))
-            r["MAT_ci"] = f"[{_cell(r.get('MAT_lo'))}, {_cell(r.get('MAT_hi'))}]"
-            r["draft_ms"] = f"{1000 * float(r['draft_s_per_round']):.2f}" if r.get("draft_s_per_round") else ""
-            rows.append({label or labels[col]: r[col] if col in ("MAT_ci", "draft_ms") else _cell(r.get(col))
-                         for col, label in BLOCKWISE_COLUMNS.items()})
     claims = read_json(base / "claims.json")
     protocol = next((c["protocol"] for c in claims if c.get("protocol")), None)
     lines = [f"Verdicts (tests, numbers and notes: `results/blockwise/claims.md`"
              + (f"; judged on the `{protocol}` protocol" if protocol else "") + "):", ""]
     lines += [f"- {c['claim']}: **{c['verdict']}**" + (f" ({c['seeds']} seeds)" if c.get("seeds") else "") for c in claims]
     text = "\n".join(lines) + "\n"
-    return "\n".join([BLOCKWISE_START, "", "Block and chain drafters on the judged protocol (`results/blockwise/blockwise.csv`; "
-                      "alpha_k per block position = chain step, n_k the rounds it rests on; grad: the median over "
-                      "training of the KV path's gradient ratio; remedies: `results/blockwise/remedies.csv`):", "",
-                      _markdown(rows), text, BLOCKWISE_END])
+    # the table itself lives in results/blockwise/blockwise.csv (and docs/results.md): the README keeps the verdicts
+    return "\n".join([BLOCKWISE_START, "", text, BLOCKWISE_END])
