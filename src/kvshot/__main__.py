@@ -17,7 +17,7 @@ def _cmd_prepare_data(args, cfg) -> dict:
 
     d = cfg["data"]
     n_train = args.train_samples if args.train_samples is not None else d["train_samples"]
-    return prepare_data(d["sources"], n_train, d["eval_samples"], cfg["seed"], args.out)
+    return prepare_data(d["sources"], n_train, d["eval_samples"], cfg["seed"], args.out, val_samples=d.get("val_samples"))
 
 
 def _cmd_regenerate_data(args, cfg) -> dict:
@@ -161,7 +161,7 @@ STAGES = {
 
 # one line per stage for `kvshot --help` and the stage's own --help
 STAGE_HELP = {
-    "prepare-data": "read the configured sources, clean, dedupe and split them into train/eval JSONL + stats.json",
+    "prepare-data": "read the configured sources, clean, dedupe and split them into train/eval/val JSONL + stats.json",
     "regenerate-data": "(optional) the target rewrites the train answers (data.regenerate)",
     "train-tokenizer": "train the byte-level BPE on the train split, or save the pretrained target's tokenizer",
     "target": "pretrain the small Qwen3 target (or load the pretrained one) and score it on held-out text",
