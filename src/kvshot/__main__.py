@@ -57,7 +57,7 @@ def _cmd_train_drafter(args, cfg) -> dict:
         cfg["seed"] = args.seed
     try:
         m = train_variant(cfg, runtime(cfg), args.variant, args.train_features, args.eval_features, args.target,
-                          args.out, args.runtime_minutes)
+                          args.out, args.runtime_minutes, val_dir=args.val_features)
     except StoppedForRuntime:   # checkpointed before the job's limit: a distinct code, so a retry resumes
         sys.exit(STOP_EXIT_CODE)
     return {k: m.get(k) for k in ("variant", "steps", "stopped_by", "train_seconds", "eval")}
@@ -186,7 +186,7 @@ PATH_HELP = {
     "target": "target folder (results/target)",
     "variant": "drafter variant name from drafters.variants",
     "train-features": "train features folder (results/features/train)",
-    "eval-features": "eval features folder (results/features/eval)",
+    "eval-features": "eval features folder (results/features/eval): the final teacher-forced metrics",
     "drafter": "the variant's drafter folders, one per training seed (results/drafters/<variant>/seed<N>)",
     "continuations": "target continuations JSON (results/eval/continuations.json)",
     "prompts": "the decoding prompts: the natural protocol's real prefixes (results/eval/natural.json)",
@@ -247,6 +247,9 @@ def parser() -> argparse.ArgumentParser:
         if stage == "train-drafter":
             s.add_argument("--seed", type=int, default=None,
                            help="the training seed (drafter init and data order; default: config `seed`)")
+            s.add_argument("--val-features", default=None,
+                           help="validation features folder (results/features/val), read by the held-out curve and "
+                                "plateau stop (default: --eval-features, recorded as metrics heldout_split: eval)")
             s.add_argument("--runtime-minutes", type=float, default=None,
                            help="the job's wall-clock limit: checkpoint and exit 75 at this less "
                                 "drafters.train.stop_margin_minutes, counted from process start")

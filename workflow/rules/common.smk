@@ -8,7 +8,7 @@ sys.path.insert(0, SRC)
 
 from kvshot.config import ConfigError, all_variants, fill_defaults, stage_config, validate_config  # noqa: E402
 
-SPLITS = ["train", "eval"]
+SPLITS = ["train", "eval", "val"]   # val: the drafters' held-out curve and plateau stop (disjoint from eval)
 VARIANTS = [v["name"] for v in config["drafters"]["variants"]]
 # Every variant is trained once per seed (drafter init and data order); evaluation pools them
 # and keeps each seed's record, so the verdicts carry the training variance.
