@@ -115,6 +115,23 @@ def scaling_overlay(wildcards):
     return f" --config {shlex.quote(json.dumps(overlay, sort_keys=True))}"
 
 
+def plateau_overlay(wildcards):
+    """The change against train_drafter, as `--config` words: more steps at most, a validation
+    point every plateau.eval_every steps, and plateau.rule as drafters.train.plateau."""
+    import shlex
+
+    plateau = config.get("plateau") or {}
+    if not plateau:
+        raise WorkflowError("config: plateau: missing (max_steps, eval_every, rule): the plateau target needs it")
+    own = next(v for v in config["drafters"]["variants"] if v["name"] == wildcards.variant)
+    for key in ("max_steps", "eval_every", "plateau"):
+        if key in own.get("train", {}):
+            raise WorkflowError(f"config: drafters.variants.{wildcards.variant}.train.{key}: the plateau target sets "
+                                f"drafters.train.{key}; a variant's own would escape it")
+    train = {"max_steps": plateau["max_steps"], "eval_every": plateau["eval_every"], "plateau": plateau["rule"]}
+    return f" --config {shlex.quote(json.dumps({'drafters': {'train': train}}, sort_keys=True))}"
+
+
 def local_data_files(sources):
     """The local files a list of data sources reads (`sharegpt_file` paths, and a hub entry's
     `data_files` when they all exist here, as kvshot.data loads them). Made inputs, editing one

@@ -5,24 +5,7 @@
 # run's anchors (results/eval/continuations.json, natural.json) and judged by the same report,
 # under results/plateau/. Each drafter records how it stopped (metrics.json `stopped_by`).
 
-PLATEAU = config.get("plateau") or {}
-PLATEAU_SEEDS = [int(s) for s in PLATEAU.get("seeds") or SEEDS]
-
-
-def plateau_overlay(wildcards):
-    """The change against train_drafter, as `--config` words: more steps at most, a validation
-    point every plateau.eval_every steps, and plateau.rule as drafters.train.plateau."""
-    import shlex
-
-    if not PLATEAU:
-        raise WorkflowError("config: plateau: missing (max_steps, eval_every, rule): the plateau target needs it")
-    own = next(v for v in config["drafters"]["variants"] if v["name"] == wildcards.variant)
-    for key in ("max_steps", "eval_every", "plateau"):
-        if key in own.get("train", {}):
-            raise WorkflowError(f"config: drafters.variants.{wildcards.variant}.train.{key}: the plateau target sets "
-                                f"drafters.train.{key}; a variant's own would escape it")
-    train = {"max_steps": PLATEAU["max_steps"], "eval_every": PLATEAU["eval_every"], "plateau": PLATEAU["rule"]}
-    return f" --config {shlex.quote(json.dumps({'drafters': {'train': train}}, sort_keys=True))}"
+PLATEAU_SEEDS = [int(s) for s in (config.get("plateau") or {}).get("seeds") or SEEDS]
 
 
 use rule train_drafter as plateau_train with:
@@ -33,7 +16,7 @@ use rule train_drafter as plateau_train with:
         seed=r"\d+",
     params:
         cfg=variant_params("drafters"),
-        overlay=plateau_overlay,
+        overlay=plateau_overlay,   # common.smk
         launcher=train_launcher(),
         rank_threads=train_rank_threads(),
     log:
