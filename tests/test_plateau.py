@@ -41,7 +41,7 @@ def test_plateau_is_its_own_snakemake_target(tmp_path):
     # smoke: 6 variants x 2 seeds (drafters.seeds), the data, target and features they stand on
     assert counts == {"prepare_data": 1, "train_tokenizer": 1, "target": 1, "capture_features": 3,
                       "target_continuations": 1, "plateau_train": 12, "plateau_stepwise": 6, "plateau_e2e": 6,
-                      "plateau_report": 1}
+                      "plateau_e2e_timing": 1, "plateau_report": 1}
     train = [j for j in jobs if j["rule"] == "plateau_train"]
     assert {(j["wildcards"]["variant"], j["wildcards"]["seed"]) for j in train} == {
         (v, s) for v in VARIANTS for s in ("0", "1")}
@@ -51,9 +51,12 @@ def test_plateau_is_its_own_snakemake_target(tmp_path):
                                                           "plateau": cfg["plateau"]["rule"]}}}
         assert " --val-features results/features/val " in job["shell"]
         assert f"--out results/plateau/drafters/{job['wildcards']['variant']}/seed{job['wildcards']['seed']}" in job["shell"]
-    for job in (j for j in jobs if j["rule"] in ("plateau_stepwise", "plateau_e2e")):   # the default run's anchors
+    for job in (j for j in jobs if j["rule"] == "plateau_stepwise"):   # the default run's anchors
         assert "--continuations results/eval/continuations.json" in job["shell"]
+        assert "--natural results/eval/natural.json" in job["shell"]
         assert "--drafter results/plateau/drafters/" in job["shell"]
+    for job in (j for j in jobs if j["rule"] in ("plateau_e2e", "plateau_e2e_timing")):   # and E2E prompts
+        assert "--prompts results/eval/natural.json" in job["shell"] and "results/plateau/drafters/" in job["shell"]
     report = next(j for j in jobs if j["rule"] == "plateau_report")
     assert "--results results/plateau " in report["shell"] and "--figures results/plateau/figures " in report["shell"]
     assert "results/plateau/figures/decay.pdf" in out

@@ -2,7 +2,7 @@
 # `snakemake --cores all results/plateau/claims.md`. The drafters.variants are retrained by the
 # same stage with drafters.train.max_steps raised to plateau.max_steps and the plateau rule
 # (plateau.rule: held-out loss and acc_0 on the validation split) on, evaluated on the default
-# run's anchors (results/eval/continuations.json, natural.json) and judged by the same report,
+# run's anchors and E2E prompts (results/eval/continuations.json, natural.json) and judged by the same report,
 # under results/plateau/. Each drafter records how it stopped (metrics.json `stopped_by`).
 
 PLATEAU_SEEDS = [int(s) for s in (config.get("plateau") or {}).get("seeds") or SEEDS]
@@ -49,7 +49,7 @@ use rule eval_e2e as plateau_e2e with:
     input:
         drafters=drafter_seeds("results/plateau/drafters/{variant}", PLATEAU_SEEDS),
         target="results/target/model",
-        continuations="results/eval/continuations.json",
+        prompts="results/eval/natural.json",
         features="results/features/eval",
     output:
         "results/plateau/eval/{variant}/e2e.json",
@@ -63,11 +63,27 @@ use rule eval_e2e as plateau_e2e with:
         bench_path("plateau_e2e", "_{variant}")
 
 
+use rule e2e_timing as plateau_e2e_timing with:
+    input:
+        reference=drafter_seeds(f"results/plateau/drafters/{E2E_TIMED[0] if E2E_TIMED else 'none'}", PLATEAU_SEEDS),
+        hybrid=drafter_seeds(f"results/plateau/drafters/{E2E_TIMED[-1] if E2E_TIMED else 'none'}", PLATEAU_SEEDS),
+        target="results/target/model",
+        prompts="results/eval/natural.json",
+        features="results/features/eval",
+    output:
+        "results/plateau/eval/e2e_timing.json",
+    log:
+        log_path("plateau_e2e_timing"),
+    benchmark:
+        bench_path("plateau_e2e_timing")
+
+
 rule plateau_report:
     input:
         stepwise=expand("results/plateau/eval/{variant}/stepwise.json", variant=VARIANTS),
         natural=expand("results/plateau/eval/{variant}/stepwise_natural.json", variant=VARIANTS),
         e2e=expand("results/plateau/eval/{variant}/e2e.json", variant=VARIANTS),
+        e2e_timing=["results/plateau/eval/e2e_timing.json"] if E2E_TIMED else [],   # eval.smk
         drafters=expand("results/plateau/drafters/{variant}/seed{seed}", variant=VARIANTS, seed=PLATEAU_SEEDS),
     output:
         tables=directory("results/plateau/tables"),
