@@ -38,6 +38,7 @@ include: "workflow/rules/export.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/scaling.smk"
 include: "workflow/rules/blockwise.smk"
+include: "workflow/rules/plateau.smk"
 
 
 rule all:

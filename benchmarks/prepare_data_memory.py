@@ -68,10 +68,10 @@ if method == "streaming":
 else:   # what prepare_data did before: every conversation in memory, then split and write
     convs = data.load_sources(sources, [])
     items = [{"id": f"0:{k}", "messages": m} for k, m in enumerate(convs)]
-    train, evals = data.split_conversations(items, int(n_train), int(n_eval), 0)
+    parts = data.split_conversations(items, int(n_train), int(n_eval), 0)
     Path(out).mkdir(parents=True, exist_ok=True)
-    for name, part in (("train.jsonl", train), ("eval.jsonl", evals)):
-        data.atomic_write(Path(out) / name, [json.dumps(it, ensure_ascii=False) + "\\n" for it in part])
+    for name, part in parts.items():
+        data.atomic_write(Path(out) / f"{name}.jsonl", [json.dumps(it, ensure_ascii=False) + "\\n" for it in part])
 print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "seconds": time.time() - start}))
 """

@@ -286,15 +286,23 @@ def test_load_sources_mixed(hf_cache, monkeypatch):
 
 def test_split_determinism():
     items = list(range(100))
-    train, evals = split_conversations(items, 60, 10, seed=1)
-    assert (train, evals) == split_conversations(items, 60, 10, seed=1)
-    assert (train, evals) != split_conversations(items, 60, 10, seed=2)
-    assert len(train) == 60 and len(evals) == 10 and not set(train) & set(evals)
-    # Asking for more than exists: eval is full, train takes the rest.
-    train, evals = split_conversations(items, 500, 10, seed=1)
-    assert len(evals) == 10 and len(train) == 90 and set(train) | set(evals) == set(items)
+    parts = split_conversations(items, 60, 10, seed=1, val_samples=12)
+    train, evals, val = parts["train"], parts["eval"], parts["val"]
+    assert parts == split_conversations(items, 60, 10, seed=1, val_samples=12)
+    assert parts != split_conversations(items, 60, 10, seed=2, val_samples=12)
+    assert (len(train), len(evals), len(val)) == (60, 10, 12)
+    assert not set(train) & set(evals) and not set(val) & set(evals) and not set(val) & set(train)
+    assert len(split_conversations(items, 60, 10, seed=1)["val"]) == 10   # default: as many as eval
+    # Asking for more than exists: eval and val are full, train takes the rest.
+    short = split_conversations(items, 500, 10, seed=1, val_samples=12)
+    assert len(short["eval"]) == 10 and len(short["val"]) == 12 and len(short["train"]) == 78
+    assert set(short["train"]) | set(short["eval"]) | set(short["val"]) == set(items)
+    # eval and val do not move with the train size, and a smaller train is a prefix of a larger one
+    assert short["eval"] == evals and short["val"] == val and short["train"][:60] == train
     with pytest.raises(DataError):
-        split_conversations(items[:5], 10, 5, seed=0)  # nothing left for train
+        split_conversations(items[:5], 10, 5, seed=0)  # nothing left for val or train
+    with pytest.raises(DataError, match="0 train / 3 eval / 2 val"):
+        split_conversations(items[:5], 10, 3, seed=0, val_samples=2)
     with pytest.raises(DataError):
         split_conversations([], 10, 5, seed=0)
 
@@ -450,19 +458,19 @@ def test_prepare_data_writes_atomically(tmp_path, capsys):
                       [sg(i, ("human", f"q{i}"), ("gpt", "a" * (i % 4 + 1))) for i in range(30)])
     out = tmp_path / "out"
     stats = prepare_data([{"kind": "sharegpt_file", "path": str(src)}], train_samples=100,
-                         eval_samples=5, seed=3, out_dir=out, min_assistant_chars=2)
-    assert sorted(os.listdir(out)) == ["eval.jsonl", "stats.json", "train.jsonl"]
+                         eval_samples=5, seed=3, out_dir=out, min_assistant_chars=2, val_samples=4)
+    assert sorted(os.listdir(out)) == ["eval.jsonl", "stats.json", "train.jsonl", "val.jsonl"]
     assert json.loads((out / "stats.json").read_text()) == stats
     assert stats["too_short"] == 8 and stats["available"] == 22
-    assert (stats["train"], stats["eval"], stats["seed"]) == (17, 5, 3)
+    assert (stats["train"], stats["eval"], stats["val"], stats["seed"]) == (13, 5, 4, 3)
     assert stats["requested"]["train"] == 100 and stats["sources"][0]["kept"] == 30
-    assert "give 17 train, fewer than data.train_samples=100" in capsys.readouterr().err
-    train, evals = read_jsonl(out / "train.jsonl"), read_jsonl(out / "eval.jsonl")
-    assert len(train) == 17 and len(evals) == 5
-    ids = [r["id"] for r in train + evals]
+    assert "give 13 train, fewer than data.train_samples=100" in capsys.readouterr().err
+    train, evals, val = (read_jsonl(out / f"{name}.jsonl") for name in ("train", "eval", "val"))
+    assert len(train) == 13 and len(evals) == 5 and len(val) == 4
+    ids = [r["id"] for r in train + evals + val]
     assert len(set(ids)) == 22 and all(i.startswith("0:") for i in ids)
     again = prepare_data([{"kind": "sharegpt_file", "path": str(src)}], 100, 5, 3, tmp_path / "b",
-                         min_assistant_chars=2)
+                         min_assistant_chars=2, val_samples=4)
     assert again == stats and (tmp_path / "b" / "train.jsonl").read_bytes() == \
         (out / "train.jsonl").read_bytes()
 
@@ -506,15 +514,17 @@ def test_prepare_data_streams_the_reference_split(tmp_path, monkeypatch):
     stats = prepare_data(sources, 30, 7, 11, tmp_path / "out", min_assistant_chars=4)
     items = [{"id": f"{i}:{k}", "messages": m} for i, k, m in data.iter_sources(sources, [])]
     usable = [it for it in items if sum(len(m["content"].strip()) for m in it["messages"][1:]) >= 4]
-    train, evals = split_conversations(usable, 30, 7, seed=11)
-    assert read_jsonl(tmp_path / "out/train.jsonl") == train and read_jsonl(tmp_path / "out/eval.jsonl") == evals
+    parts = split_conversations(usable, 30, 7, seed=11)
+    for name, part in parts.items():
+        assert read_jsonl(tmp_path / f"out/{name}.jsonl") == part, name
     assert stats["available"] == len(usable) and stats["too_short"] == 57 - len(usable)
-    assert (stats["train"], stats["eval"]) == (30, 7) and sorted(os.listdir(tmp_path / "out")) == [
-        "eval.jsonl", "stats.json", "train.jsonl"]
-    # nested: a smaller train split is a prefix of a larger one, and eval does not move
+    assert (stats["train"], stats["eval"], stats["val"]) == (30, 7, 7) and sorted(os.listdir(tmp_path / "out")) == [
+        "eval.jsonl", "stats.json", "train.jsonl", "val.jsonl"]
+    # nested: a smaller train split is a prefix of a larger one, and eval and val do not move
     prepare_data(sources, 10, 7, 11, tmp_path / "small", min_assistant_chars=4)
-    assert read_jsonl(tmp_path / "small/train.jsonl") == train[:10]
-    assert read_jsonl(tmp_path / "small/eval.jsonl") == evals
+    assert read_jsonl(tmp_path / "small/train.jsonl") == parts["train"][:10]
+    assert read_jsonl(tmp_path / "small/eval.jsonl") == parts["eval"]
+    assert read_jsonl(tmp_path / "small/val.jsonl") == parts["val"]
 
 
 def test_normalized_key_matches_near_exact_copies():
@@ -548,17 +558,21 @@ def test_prepare_data_removes_duplicates_before_the_split(tmp_path, monkeypatch)
     sources = [{"kind": "sharegpt_file", "path": str(write_array(tmp_path / "a.json", records[:45]))},
                {"kind": "sharegpt_file", "path": str(write_array(tmp_path / "b.json", records[45:] + records[:2]))}]
     monkeypatch.setattr(data, "RankedWriter", functools.partial(RankedWriter, bucket_size=4))
-    stats = prepare_data(sources, 100, 6, 5, tmp_path / "out")
+    stats = prepare_data(sources, 100, 6, 5, tmp_path / "out", val_samples=5)
     items = [{"id": f"{i}:{k}", "messages": m} for i, k, m in data.iter_sources(sources, [])]
     unique, removed = data.dedup_conversations(items)
     assert removed == 14 + 1 + 2 == stats["duplicates_removed"] and stats["available"] == 40 == len(unique)
     # the first copy stays; per source: 5 in a.json (records 40..44), 10 + 2 in b.json
     assert [s["duplicates_removed"] for s in stats["sources"]] == [5, 12]
     assert all(it["id"].startswith("0:") and int(it["id"][2:]) < 40 for it in unique)
-    train, evals = split_conversations(unique, 100, 6, seed=5)
-    assert read_jsonl(tmp_path / "out/train.jsonl") == train and read_jsonl(tmp_path / "out/eval.jsonl") == evals
-    keys = [{data.conversation_key(r["messages"]) for r in split} for split in (train, evals)]
-    assert len(keys[0]) == 34 and len(keys[1]) == 6 and not keys[0] & keys[1]
+    parts = split_conversations(unique, 100, 6, seed=5, val_samples=5)
+    for name, part in parts.items():
+        assert read_jsonl(tmp_path / f"out/{name}.jsonl") == part, name
+    # no conversation, nor a near copy of one, is in two splits: the validation conversations
+    # that steer training are disjoint from the evaluation ones
+    train, evals, val = ({data.conversation_key(r["messages"]) for r in parts[n]} for n in ("train", "eval", "val"))
+    assert (len(train), len(evals), len(val)) == (29, 6, 5)
+    assert not train & evals and not val & evals and not val & train
 
 
 def test_ranked_writer_orders_and_is_all_or_nothing(tmp_path):

@@ -43,10 +43,10 @@ def test_smoke_dag_end_to_end(tmp_path):
     stats = json.loads((wd / "results/data/stats.json").read_text())
     src = stats["sources"][0]
     assert src["read"] == src["kept"] + sum(src["skipped"].values()) and src["skipped"]["truncated"] == 1
-    assert (stats["train"], stats["eval"]) == (48, 8)
+    assert (stats["train"], stats["eval"], stats["val"]) == (48, 8, 8)
     metrics = json.loads((wd / "results/target/metrics.json").read_text())
     assert metrics["heldout_loss"] < metrics["initial_heldout_loss"]
-    for split, n in (("train", 48), ("eval", 8)):
+    for split, n in (("train", 48), ("eval", 8), ("val", 8)):
         index = json.loads((wd / f"results/features/{split}/index.json").read_text())
         assert index["mode"] == "offline" and index["num_samples"] == n
         assert index["bytes_per_token"] == sum(index["bytes_per_token_by_tensor"].values())
@@ -58,6 +58,7 @@ def test_smoke_dag_end_to_end(tmp_path):
             log = json.loads((folder / "train_log.json").read_text())
             assert metrics["seed"] == seed and metrics["steps"] == 4 and len(metrics["eval"]["acc"]) == 7
             assert [p["step"] for p in metrics["heldout_curve"]] == [2, 4]   # eval_every 2
+            assert metrics["heldout_split"] == "val"   # the curve reads the validation split, not eval
             assert all(len(r["acc_k"]) == 7 and len(r["loss_k"]) == 7 for r in log)
             assert len((folder / "train_log.jsonl").read_text().splitlines()) == len(log) + 2
             assert (folder / "model.safetensors").exists() and not (folder.parent / f"seed{seed}.ckpt").exists()
@@ -92,7 +93,7 @@ def test_smoke_dag_end_to_end(tmp_path):
     for table in ("stepwise", "steps", "context", "depth", "e2e", "paper", "training"):
         assert (wd / f"results/tables/{table}.csv").exists()
     rules = ["prepare_data", "train_tokenizer", "target", "capture_features_train", "capture_features_eval",
-             "target_continuations", "e2e_timing", "report"]
+             "capture_features_val", "target_continuations", "e2e_timing", "report"]
     per_variant = [f"{r}_{name}" for r in ("eval_stepwise", "eval_e2e") for name in variants]
     per_variant += [f"train_drafter_{name}_seed{seed}" for name in variants for seed in (0, 1)]
     for rule in rules + per_variant:
@@ -107,7 +108,7 @@ def test_smoke_dag_end_to_end(tmp_path):
     (wd / "more.yaml").write_text("features:\n  kv_layers: [0, 1, 2, 3]\n")   # every variant's layers (checks.py)
     jobs = dry_run_jobs(wd, "config/smoke.yaml", "more.yaml")
     downstream = {"train_drafter": 12, "eval_stepwise": 6, "eval_e2e": 6, "e2e_timing": 1, "report": 1, "all": 1}
-    assert jobs == {"capture_features": 2, **downstream}
+    assert jobs == {"capture_features": 3, **downstream}
     (wd / "more.yaml").write_text("drafters:\n  train:\n    lr: 0.002\n")
     assert dry_run_jobs(wd, "config/smoke.yaml", "more.yaml") == downstream
 
@@ -134,7 +135,7 @@ def test_paper_dag_dry_runs_with_the_default_rule_graph(tmp_path):
     default = dry_run_jobs(wd)
     paper = dry_run_jobs(wd, "config/paper.yaml")
     smoke = dry_run_jobs(wd, "config/smoke.yaml")
-    shared = {"prepare_data": 1, "train_tokenizer": 1, "target": 1, "capture_features": 2,
+    shared = {"prepare_data": 1, "train_tokenizer": 1, "target": 1, "capture_features": 3,
               "target_continuations": 1, "eval_stepwise": 6, "eval_e2e": 6, "e2e_timing": 1, "report": 1, "all": 1}
     # one training job per variant and seed (drafters.seeds: default 3, smoke 2, paper 1)
     assert default == shared | {"train_drafter": 18}

@@ -14,21 +14,57 @@ from kvshot.train import plateaued
 from .test_train import run, small_cfg
 
 
-def curve(*losses):
-    return [{"step": 10 * (i + 1), "heldout_loss": x} for i, x in enumerate(losses)]
+def curve(*losses, acc0=None):
+    acc0 = acc0 or [0.5] * len(losses)
+    return [{"step": 10 * (i + 1), "heldout_loss": x, "heldout_acc_k": [a, a / 2]}
+            for i, (x, a) in enumerate(zip(losses, acc0))]
 
 
 def test_plateau_needs_patience_evaluations_without_a_real_gain():
-    assert not plateaued(curve(3.0, 2.0, 1.5), 2, 0.01)               # still falling
-    assert plateaued(curve(3.0, 2.0, 1.5, 1.499, 1.51), 2, 0.01)      # 0.07% and worse: flat
-    assert not plateaued(curve(3.0, 2.0, 1.5, 1.6, 1.4), 2, 0.01)     # the last beats the best by 6.7%
-    assert not plateaued(curve(3.0, 3.0), 2, 0.01)                    # too few points to judge
-    assert not plateaued(curve(3.0, 3.0, 3.0), 0, 0.01)               # patience 0: never
+    assert not plateaued(curve(3.0, 2.0, 1.5), 2, 0.01, 0.005)               # still falling
+    assert plateaued(curve(3.0, 2.0, 1.5, 1.499, 1.51), 2, 0.01, 0.005)      # 0.07% and worse: flat
+    assert not plateaued(curve(3.0, 2.0, 1.5, 1.6, 1.4), 2, 0.01, 0.005)     # the last beats the best by 6.7%
+    assert not plateaued(curve(3.0, 3.0), 2, 0.01, 0.005)                    # too few points to judge
+    assert not plateaued(curve(3.0, 3.0, 3.0), 0, 0.01, 0.005)               # patience 0: never
+
+
+def test_plateau_waits_for_acc0_while_the_loss_sits_on_the_entropy_floor():
+    # issue 28: the held-out loss falls 0.2-0.6% per point while acc_0 climbs 0.48 -> 0.68
+    losses = (2.00, 1.995, 1.991, 1.988, 1.986)
+    climbing = [0.48, 0.52, 0.56, 0.60, 0.64]
+    assert not plateaued(curve(*losses, acc0=climbing), 2, 0.005, 0.005)    # loss flat, acc_0 +0.04 a point
+    flat = [0.48, 0.52, 0.56, 0.562, 0.559]
+    assert plateaued(curve(*losses, acc0=flat), 2, 0.005, 0.005)            # both flat: stop
+    assert not plateaued(curve(*losses, acc0=[0.48, 0.52, 0.56, 0.56, 0.566]), 2, 0.005, 0.005)   # +0.006 > 0.005
+    assert not plateaued(curve(3.0, 2.0, 1.5, 1.4, 1.3, acc0=[0.5] * 5), 2, 0.005, 0.005)        # acc_0 flat, loss falls
+
+
+def test_heldout_curve_reads_the_validation_split(tiny, tiny_features, tmp_path):
+    """The held-out curve (and so the plateau stop) reads the validation features, never the
+    evaluation's: two runs that differ only in the curve's split train the same drafter (same
+    final metrics on eval), and only the one without a val split has a curve equal to them."""
+    from kvshot.features import capture_split
+    from kvshot.train import train_variant
+
+    from .conftest import synthetic_conversations, write_jsonl
+
+    val_jsonl = write_jsonl(tmp_path / "val.jsonl", synthetic_conversations(6, seed=3))
+    val = tmp_path / "features_val"
+    capture_split(tiny["cfg"], tiny["rt"], str(val_jsonl), str(tiny["model"]), str(val))
+    cfg = small_cfg(tiny, max_steps=4, eval_every=4, eval_batches=2)
+    args = (cfg, tiny["rt"], "hyb", str(tiny_features["train"]), str(tiny_features["eval"]), str(tiny["model"]))
+    with_val = train_variant(*args, str(tmp_path / "a"), val_dir=str(val))
+    on_eval = train_variant(*args, str(tmp_path / "b"))
+    assert (with_val["heldout_split"], on_eval["heldout_split"]) == ("val", "eval")
+    assert with_val["eval"]["loss"] == on_eval["eval"]["loss"]                     # the same drafter
+    assert on_eval["heldout_curve"][-1]["heldout_loss_k"] == pytest.approx(on_eval["eval"]["loss"])
+    assert with_val["heldout_curve"][-1]["heldout_loss_k"] != pytest.approx(with_val["eval"]["loss"])
 
 
 def test_heldout_curve_plateau_stop_and_live_log(tiny, tiny_features, tmp_path):
     # a 50% gain per evaluation is out of reach: the plateau stops training after patience + 1 points
-    cfg = small_cfg(tiny, max_steps=40, eval_every=2, plateau={"patience": 2, "min_delta": 0.5}, log_every=1)
+    cfg = small_cfg(tiny, max_steps=40, eval_every=2, plateau={"patience": 2, "min_delta": 0.5, "min_acc_delta": 0.5},
+                    log_every=1)
     metrics = run(tiny, tiny_features, cfg, tmp_path / "out")
     assert metrics["stopped_by"] == "plateau" and metrics["steps"] == 6
     assert [p["step"] for p in metrics["heldout_curve"]] == [2, 4, 6]

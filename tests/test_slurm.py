@@ -28,7 +28,7 @@ from .test_pipeline import snakemake, workdir
 
 PROFILE = ("--profile", "profiles/slurm-test")
 PAPER_PROFILE = REPO / "profiles/slurm/config.yaml"
-TRAIN_RULES = {"train_drafter", "scaling_train"}
+TRAIN_RULES = {"train_drafter", "scaling_train", "plateau_train"}
 
 
 def cluster_up() -> bool:
@@ -67,7 +67,7 @@ def parse_dry_run(out: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def paper_dry_run(tmp_path_factory):
     wd = workdir(tmp_path_factory.mktemp("paper_slurm"))
-    proc = snakemake(wd, "all", "figures/scaling.pdf", "-n", "-p", "--profile", "profiles/slurm",
+    proc = snakemake(wd, "all", "figures/scaling.pdf", "results/plateau/claims.md", "-n", "-p", "--profile", "profiles/slurm",
                      "--configfile", "config/paper.yaml", timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "warning" not in out.lower(), out[-3000:]
@@ -105,7 +105,7 @@ def test_paper_dry_run_books_gpus_cpus_and_partitions(paper_dry_run):
     by_rule: dict[str, list[dict]] = {}
     for job in jobs:
         by_rule.setdefault(job["rule"], []).append(job)
-    assert len(by_rule["train_drafter"]) == 6 and len(by_rule["scaling_train"]) == 15
+    assert len(by_rule["train_drafter"]) == 6 and len(by_rule["scaling_train"]) == 15 and len(by_rule["plateau_train"]) == 6
     assert (DEVICE_RULES | CPU_RULES) - OPTIONAL_RULES <= set(by_rule) <= DEVICE_RULES | CPU_RULES
     for job in jobs:
         res = job["resources"]

@@ -17,7 +17,7 @@ def _cmd_prepare_data(args, cfg) -> dict:
 
     d = cfg["data"]
     n_train = args.train_samples if args.train_samples is not None else d["train_samples"]
-    return prepare_data(d["sources"], n_train, d["eval_samples"], cfg["seed"], args.out)
+    return prepare_data(d["sources"], n_train, d["eval_samples"], cfg["seed"], args.out, val_samples=d.get("val_samples"))
 
 
 def _cmd_regenerate_data(args, cfg) -> dict:
@@ -57,7 +57,7 @@ def _cmd_train_drafter(args, cfg) -> dict:
         cfg["seed"] = args.seed
     try:
         m = train_variant(cfg, runtime(cfg), args.variant, args.train_features, args.eval_features, args.target,
-                          args.out, args.runtime_minutes)
+                          args.out, args.runtime_minutes, val_dir=args.val_features)
     except StoppedForRuntime:   # checkpointed before the job's limit: a distinct code, so a retry resumes
         sys.exit(STOP_EXIT_CODE)
     return {k: m.get(k) for k in ("variant", "steps", "stopped_by", "train_seconds", "eval")}
@@ -161,7 +161,7 @@ STAGES = {
 
 # one line per stage for `kvshot --help` and the stage's own --help
 STAGE_HELP = {
-    "prepare-data": "read the configured sources, clean, dedupe and split them into train/eval JSONL + stats.json",
+    "prepare-data": "read the configured sources, clean, dedupe and split them into train/eval/val JSONL + stats.json",
     "regenerate-data": "(optional) the target rewrites the train answers (data.regenerate)",
     "train-tokenizer": "train the byte-level BPE on the train split, or save the pretrained target's tokenizer",
     "target": "pretrain the small Qwen3 target (or load the pretrained one) and score it on held-out text",
@@ -186,7 +186,7 @@ PATH_HELP = {
     "target": "target folder (results/target)",
     "variant": "drafter variant name from drafters.variants",
     "train-features": "train features folder (results/features/train)",
-    "eval-features": "eval features folder (results/features/eval)",
+    "eval-features": "eval features folder (results/features/eval): the final teacher-forced metrics",
     "drafter": "the variant's drafter folders, one per training seed (results/drafters/<variant>/seed<N>)",
     "continuations": "target continuations JSON (results/eval/continuations.json)",
     "prompts": "the decoding prompts: the natural protocol's real prefixes (results/eval/natural.json)",
@@ -247,6 +247,9 @@ def parser() -> argparse.ArgumentParser:
         if stage == "train-drafter":
             s.add_argument("--seed", type=int, default=None,
                            help="the training seed (drafter init and data order; default: config `seed`)")
+            s.add_argument("--val-features", default=None,
+                           help="validation features folder (results/features/val), read by the held-out curve and "
+                                "plateau stop (default: --eval-features, recorded as metrics heldout_split: eval)")
             s.add_argument("--runtime-minutes", type=float, default=None,
                            help="the job's wall-clock limit: checkpoint and exit 75 at this less "
                                 "drafters.train.stop_margin_minutes, counted from process start")

@@ -1,4 +1,4 @@
-"""Conversation data: loading ShareGPT / UltraChat (streamed), splitting, the split files.
+"""Conversation data: loading ShareGPT / UltraChat (streamed), splitting (train / eval / val), the split files.
 Chat rendering and tokenization live in `chat` (re-exported here).
 
 Every loader funnels records through `normalize_record`, so the local ShareGPT file and the
@@ -381,44 +381,63 @@ def dedup_conversations(convs: list) -> tuple[list, int]:
     return unique, len(convs) - len(unique)
 
 
-def _split_sizes(available: int, train_samples: int, eval_samples: int) -> tuple[int, int]:
+SPLIT_NAMES = ("eval", "val", "train")   # in the order they take the seeded permutation's records
+
+
+def _split_sizes(available: int, train_samples: int, eval_samples: int, val_samples: int) -> dict[str, int]:
     # A short supply shrinks train instead of failing: small smoke configs still run.
     n_eval = min(eval_samples, available)
-    n_train = min(train_samples, available - n_eval)
-    if not n_eval or not n_train:
-        raise DataError(f"split: {available} conversations give {n_train} train / "
-                        f"{n_eval} eval (asked {train_samples} / {eval_samples})")
-    return n_train, n_eval
+    n_val = min(val_samples, available - n_eval)
+    n_train = min(train_samples, available - n_eval - n_val)
+    if not n_eval or not n_train or not n_val:
+        raise DataError(f"split: {available} conversations give {n_train} train / {n_eval} eval / {n_val} val "
+                        f"(asked {train_samples} / {eval_samples} / {val_samples})")
+    return {"eval": n_eval, "train": n_train, "val": n_val}
 
 
 def split_order(n: int, seed: int) -> list[int]:
-    """The seeded permutation of n records: eval takes its first eval_samples, train the next."""
+    """The seeded permutation of n records: eval takes its first eval_samples, val (the drafter
+    trainer's held-out curve and plateau stop) the next val_samples, train the next train_samples.
+    Train comes last, so a smaller train split is a prefix of a larger one and eval and val do not move."""
     order = list(range(n))
     random.Random(seed).shuffle(order)
     return order
 
 
-def split_conversations(convs: list, train_samples: int, eval_samples: int,
-                        seed: int) -> tuple[list, list]:
-    """Return (train, eval) in memory: the reference for prepare_data's streaming split."""
-    n_train, n_eval = _split_sizes(len(convs), train_samples, eval_samples)
+def split_bounds(sizes: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Each split's [start, end) in the permutation (SPLIT_NAMES order)."""
+    bounds, start = {}, 0
+    for name in SPLIT_NAMES:
+        bounds[name] = (start, start + sizes[name])
+        start += sizes[name]
+    return bounds
+
+
+def split_conversations(convs: list, train_samples: int, eval_samples: int, seed: int,
+                        val_samples: int | None = None) -> dict[str, list]:
+    """{"train", "eval", "val": conversations} in memory (val_samples None: as many as eval),
+    the reference for prepare_data's streaming split."""
+    val_samples = eval_samples if val_samples is None else val_samples
+    bounds = split_bounds(_split_sizes(len(convs), train_samples, eval_samples, val_samples))
     order = split_order(len(convs), seed)
-    return [convs[i] for i in order[n_eval:n_eval + n_train]], [convs[i] for i in order[:n_eval]]
+    return {name: [convs[i] for i in order[a:b]] for name, (a, b) in bounds.items()}
 
 
 def prepare_data(sources: list[dict], train_samples: int, eval_samples: int, seed: int,
-                 out_dir: str | Path, min_assistant_chars: int = 1) -> dict:
-    """Filter, deduplicate, split and write train.jsonl / eval.jsonl / stats.json into out_dir,
-    streaming.
+                 out_dir: str | Path, min_assistant_chars: int = 1, val_samples: int | None = None) -> dict:
+    """Filter, deduplicate, split and write train.jsonl / eval.jsonl / val.jsonl / stats.json
+    into out_dir, streaming. val_samples: the validation split the drafter trainer's held-out
+    curve and plateau stop read (None: as many as eval), so that no evaluation anchor steers training.
 
     Pass 1 reads the sources and keeps a 64-bit key per usable record (`conversation_key`);
     a record whose key an earlier one (of any source) had is a duplicate, dropped before the
-    split so that train and eval share no conversation. The split is `split_conversations`'
+    split so that train, eval and val share no conversation. The split is `split_conversations`'
     seeded permutation of the unique records (ranks: N small ints); pass 2 reads the sources
     again and hands each unique record to its split's RankedWriter, which writes the split in
     permutation order. Memory: 8-byte keys, a mask and ranks, not the conversations."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    val_samples = eval_samples if val_samples is None else val_samples
 
     def long_enough(messages: list[dict]) -> bool:
         return sum(len(m["content"].strip()) for m in messages if m["role"] == "assistant") >= min_assistant_chars
@@ -438,14 +457,15 @@ def prepare_data(sources: list[dict], train_samples: int, eval_samples: int, see
         stats_list[source_of[record]].duplicates_removed += 1
     del source_of
     available = int(keep.sum())
-    n_train, n_eval = _split_sizes(available, train_samples, eval_samples)
-    if n_train < train_samples:   # not silent: the log says it, stats.json records train vs requested
+    sizes = _split_sizes(available, train_samples, eval_samples, val_samples)
+    if sizes["train"] < train_samples:   # not silent: the log says it, stats.json records train vs requested
         print(f"prepare_data: {available} unique conversations ({usable - available} duplicates removed) give "
-              f"{n_train} train, fewer than data.train_samples={train_samples}", file=sys.stderr, flush=True)
+              f"{sizes['train']} train, fewer than data.train_samples={train_samples}", file=sys.stderr, flush=True)
     rank = array("q", bytes(8 * available))
     for position, record in enumerate(split_order(available, seed)):
         rank[record] = position
-    writers = [RankedWriter(out / "eval.jsonl", n_eval), RankedWriter(out / "train.jsonl", n_train)]
+    bounds = split_bounds(sizes)
+    writers = {name: RankedWriter(out / f"{name}.jsonl", sizes[name]) for name in SPLIT_NAMES}
     try:
         record = unique = 0
         for index, k, messages in iter_sources(sources, []):
@@ -457,22 +477,22 @@ def prepare_data(sources: list[dict], train_samples: int, eval_samples: int, see
             if not keep[record - 1]:
                 continue
             position, unique = rank[unique], unique + 1
-            if position < n_eval + n_train:
-                split, at = (0, position) if position < n_eval else (1, position - n_eval)
-                writers[split].add(at, json.dumps({"id": f"{index}:{k}", "messages": messages},
-                                                  ensure_ascii=False) + "\n")
+            name = next((n for n, (a, b) in bounds.items() if a <= position < b), None)
+            if name is not None:
+                writers[name].add(position - bounds[name][0], json.dumps({"id": f"{index}:{k}", "messages": messages},
+                                                                        ensure_ascii=False) + "\n")
         if record != usable:
             raise DataError(f"sources: {record} records on the second read, {usable} on the first")
-        writers[1].close()
-        writers[0].close()
+        for name in ("train", "val", "eval"):
+            writers[name].close()
     finally:
-        for w in writers:
+        for w in writers.values():
             w.discard()
     stats = {"sources": [s.to_dict() for s in stats_list], "available": available,
              "too_short": read - usable, "duplicates_removed": usable - available,
              "dedup": "NFKC + casefold + invisible characters dropped + whitespace collapsed, role-tagged turns",
-             "train": n_train, "eval": n_eval,
-             "seed": seed, "requested": {"train": train_samples, "eval": eval_samples,
+             "train": sizes["train"], "eval": sizes["eval"], "val": sizes["val"],
+             "seed": seed, "requested": {"train": train_samples, "eval": eval_samples, "val": val_samples,
                                          "min_assistant_chars": min_assistant_chars}}
     atomic_write(out / "stats.json", [json.dumps(stats, indent=2) + "\n"])
     return stats

@@ -241,14 +241,15 @@ def stop_deadline(runtime_minutes: float | None, margin_minutes: float, started:
 _NOT_FINGERPRINTED = ("stop_margin_minutes",)
 
 
-def _fingerprint(v: dict, cfg: dict, rt: Runtime, train_dir: str, eval_dir: str, target_dir: str) -> str:
+def _fingerprint(v: dict, cfg: dict, rt: Runtime, train_dir: str, eval_dir: str, target_dir: str,
+                 val_dir: str) -> str:
     """What a checkpoint must match to be resumed: the config this stage reads and the content
     of its inputs (a retrained target or recaptured features start afresh, at the same paths)."""
     v = {**v, "train": {k: x for k, x in v["train"].items() if k not in _NOT_FINGERPRINTED}}
     key = {"variant": v, "seed": cfg["seed"], "dtype": rt.dtype,
            "drafters": {k: cfg["drafters"][k] for k in ("ttt_steps", "step_decay", "draft_vocab_size")},
            "train": content_digest(Path(train_dir) / "index.json"), "eval": content_digest(Path(eval_dir) / "index.json"),
-           "target": folder_digest(target_dir)}
+           "target": folder_digest(target_dir), "val": content_digest(Path(val_dir) / "index.json")}
     if v["paradigm"] == "block":   # the block objective's position weights
         key["block_position_decay"] = cfg["drafters"].get("block_position_decay")
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -299,18 +300,24 @@ def _any_rank(accel, *flags: bool) -> list[bool]:
     return [bool(x > 0) for x in total.tolist()]
 
 
-def plateaued(curve: list[dict], patience: int, min_delta: float) -> bool:
-    """Has the held-out loss flattened? True when none of the last `patience` evaluations beat
-    the best before them by more than `min_delta` (relative)."""
+def plateaued(curve: list[dict], patience: int, min_delta: float, min_acc_delta: float) -> bool:
+    """Has training stopped improving on the validation split? True when none of the last
+    `patience` evaluations beat the best before them, neither in held-out loss by more than
+    `min_delta` (relative) nor in held-out acc_0 by more than `min_acc_delta` (absolute).
+    Both: the loss is mostly the target's own entropy, a floor the drafter cannot go under, so
+    it flattens (0.2-0.6% per 50 steps) while acc_0 still climbs (docs/paper-vs-kvshot.md)."""
     if patience < 1 or len(curve) <= patience:
         return False
-    best_before = min(p["heldout_loss"] for p in curve[:-patience])
-    return all(p["heldout_loss"] > best_before * (1 - min_delta) for p in curve[-patience:])
+    before, last = curve[:-patience], curve[-patience:]
+    best_loss = min(p["heldout_loss"] for p in before)
+    best_acc = max(p["heldout_acc_k"][0] for p in before)
+    return (all(p["heldout_loss"] > best_loss * (1 - min_delta) for p in last)
+            and all(p["heldout_acc_k"][0] <= best_acc + min_acc_delta for p in last))
 
 
 def heldout_point(model: Drafter, source: FeatureSource, head_w: torch.Tensor, steps: int, decay: float,
                   batch_size: int, batches: int, dtype: str, step: int) -> dict:
-    """One point of the held-out curve: the TTT objective on the first eval batches."""
+    """One point of the held-out curve: the TTT objective and acc_k on the first validation batches."""
     ev = evaluate(model, source, head_w, steps, batch_size, batches, None, dtype)
     return {"step": step, "heldout_loss": float(weighted_loss(torch.tensor(ev["loss"]), decay)),
             "heldout_loss_k": ev["loss"], "heldout_acc_k": ev["acc"]}
@@ -334,9 +341,13 @@ class JsonLines:
 
 
 def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, target_dir: str,
-                  out_dir: str, runtime_minutes: float | None = None) -> dict:
+                  out_dir: str, runtime_minutes: float | None = None, val_dir: str | None = None) -> dict:
     """Train one variant. runtime_minutes: the job's wall-clock limit; past it less
-    `stop_margin_minutes` (from process start) training checkpoints and raises StoppedForRuntime."""
+    `stop_margin_minutes` (from process start) training checkpoints and raises StoppedForRuntime.
+    val_dir: the validation features the held-out curve and plateau stop read (the pipeline's
+    results/features/val, disjoint from the evaluation's conversations); None reads eval_dir's
+    instead, recorded as metrics `heldout_split: eval`. eval_dir: the final teacher-forced
+    metrics (metrics `eval`), which steer nothing."""
     from accelerate import Accelerator
 
     v = variant_config(cfg, name)
@@ -353,6 +364,9 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
 
     target = load_target(target_dir, rt)
     train_src, eval_src = open_features(train_dir, rt, model=target), open_features(eval_dir, rt, model=target)
+    heldout_split = "eval" if val_dir is None else "val"
+    val_dir = eval_dir if val_dir is None else val_dir
+    val_src = eval_src if val_dir == eval_dir else open_features(val_dir, rt, model=target)
     head_w = target.lm_head.weight.detach()
     n = min(len(train_src), tc.get("train_samples") or len(train_src))   # the data-scaling knob
     d2t = draft_vocab(train_src, dcfg["draft_vocab_size"], target.config.vocab_size, n)
@@ -362,7 +376,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     if missing:
         raise ConfigError(f"config: features.kv_layers: variant {name} reads target layers {missing}, "
                           f"which the features do not hold ({list(train_src.spec.kv_layers)})")
-    for src in (train_src, eval_src):   # batches carry (and online: compute) only what this variant reads
+    for src in (train_src, eval_src, val_src):   # batches carry (and online: compute) only what this variant reads
         src.read_only(model.cfg.kv_layers, model.reads_aux_hidden)
     params = [p for p in model.parameters() if p.requires_grad]   # fp32: so is the optimizer state
     opt = torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"], betas=(0.9, 0.95))
@@ -372,7 +386,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     warm_steps, waiting = int(v.get("kv_warmup_steps") or 0), held_back(model, v)
 
     ckpt = Path(f"{out_dir}.ckpt") / "checkpoint.pt"
-    fp = _fingerprint(v, cfg, rt, train_dir, eval_dir, target_dir)
+    fp = _fingerprint(v, cfg, rt, train_dir, eval_dir, target_dir, val_dir)
     progress = {"step": 0, "epoch": 0, "cursor": 0, "log": [], "heldout": [], "fingerprint": fp,
                 "resumed_from": None, "world_size": world}
     saved_step = None   # the step of the checkpoint on disk that this run would resume from
@@ -463,13 +477,14 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
                       f"acc0 {rec['acc_k'][0]:.3f} lr {rec['lr']:.3g} tokens/s {tok_s:.0f}")
         bar.update(1)
         if eval_every and progress["step"] % eval_every == 0:   # the held-out curve (every rank: same numbers)
-            point = heldout_point(model, eval_src, head_w, steps_k, decay, tc["batch_size"], tc["eval_batches"],
+            point = heldout_point(model, val_src, head_w, steps_k, decay, tc["batch_size"], tc["eval_batches"],
                                   rt.dtype, progress["step"])
             progress["heldout"].append(point)
             live.append(point)
             bar.write(f"train {name}: step {progress['step']} held-out loss {point['heldout_loss']:.4f} "
                       f"acc0 {point['heldout_acc_k'][0]:.3f}")
-            if plateau and plateaued(progress["heldout"], plateau["patience"], plateau["min_delta"]):
+            if plateau and plateaued(progress["heldout"], plateau["patience"], plateau["min_delta"],
+                                     plateau["min_acc_delta"]):
                 progress["stopped_by"] = "plateau"
                 break
         if progress["step"] % tc["ckpt_every"] == 0 and progress["step"] < tc["max_steps"]:
@@ -501,7 +516,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     seconds = time.time() - start
     metrics = {"variant": name, "paradigm": v["paradigm"], "layers": v["layers"], "steps": progress["step"],
                "stopped_by": progress.get("stopped_by", "max_steps"), "seed": rt.seed, "train_samples": n,
-               "heldout_curve": progress["heldout"],
+               "heldout_curve": progress["heldout"], "heldout_split": heldout_split, "plateau_rule": plateau or None,
                "resumed_from": progress["resumed_from"], "world_size": world, "train_seconds": seconds,
                "train_tokens_per_s": tokens_seen * world / max(seconds, 1e-9),
                "parameters": sum(p.numel() for p in params), "draft_vocab_size": len(model.d2t),

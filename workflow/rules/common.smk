@@ -8,7 +8,7 @@ sys.path.insert(0, SRC)
 
 from kvshot.config import ConfigError, all_variants, fill_defaults, stage_config, validate_config  # noqa: E402
 
-SPLITS = ["train", "eval"]
+SPLITS = ["train", "eval", "val"]   # val: the drafters' held-out curve and plateau stop (disjoint from eval)
 VARIANTS = [v["name"] for v in config["drafters"]["variants"]]
 # Every variant is trained once per seed (drafter init and data order); evaluation pools them
 # and keeps each seed's record, so the verdicts carry the training variance.
@@ -113,6 +113,23 @@ def scaling_overlay(wildcards):
     steps = scaled_steps(config["drafters"]["train"]["max_steps"], n, max(config["scaling"]["train_samples"]))
     overlay = {"drafters": {"train": {"train_samples": n, "max_steps": steps}}}
     return f" --config {shlex.quote(json.dumps(overlay, sort_keys=True))}"
+
+
+def plateau_overlay(wildcards):
+    """The change against train_drafter, as `--config` words: more steps at most, a validation
+    point every plateau.eval_every steps, and plateau.rule as drafters.train.plateau."""
+    import shlex
+
+    plateau = config.get("plateau") or {}
+    if not plateau:
+        raise WorkflowError("config: plateau: missing (max_steps, eval_every, rule): the plateau target needs it")
+    own = next(v for v in config["drafters"]["variants"] if v["name"] == wildcards.variant)
+    for key in ("max_steps", "eval_every", "plateau"):
+        if key in own.get("train", {}):
+            raise WorkflowError(f"config: drafters.variants.{wildcards.variant}.train.{key}: the plateau target sets "
+                                f"drafters.train.{key}; a variant's own would escape it")
+    train = {"max_steps": plateau["max_steps"], "eval_every": plateau["eval_every"], "plateau": plateau["rule"]}
+    return f" --config {shlex.quote(json.dumps({'drafters': {'train': train}}, sort_keys=True))}"
 
 
 def local_data_files(sources):

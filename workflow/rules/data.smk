@@ -4,6 +4,7 @@ rule prepare_data:
     output:
         train="results/data/train.jsonl",
         eval="results/data/eval.jsonl",
+        val="results/data/val.jsonl",   # the drafter trainer's held-out curve and plateau stop, never evaluated on
         stats="results/data/stats.json",
     params:
         cfg=stage_params("data"),

@@ -5,7 +5,7 @@ rule capture_features:
     output:
         directory("results/features/{split}"),
     wildcard_constraints:
-        split="train|eval",
+        split="train|eval|val",
     params:
         cfg=stage_params("data", "target", "features"),
     log:

@@ -6,7 +6,8 @@
 rule train_drafter:
     input:
         train="results/features/train",
-        eval="results/features/eval",
+        eval="results/features/eval",   # the final teacher-forced metrics only
+        val="results/features/val",     # the held-out curve and plateau stop
         target="results/target/model",
     output:
         directory("results/drafters/{variant}/seed{seed}"),
@@ -33,4 +34,5 @@ rule train_drafter:
     shell:
         "{params.launcher} train-drafter --config {params.cfg:q}{params.overlay} --threads {params.rank_threads}"
         " --seed {wildcards.seed} --variant {wildcards.variant} --train-features {input.train} --eval-features {input.eval}"
+        " --val-features {input.val}"
         " --target {input.target} --runtime-minutes {resources.runtime} --out {output} > {log} 2>&1"
