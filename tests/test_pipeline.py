@@ -85,7 +85,7 @@ def test_smoke_dag_end_to_end(tmp_path):
     for fig in ("decay", "depth", "gate", "gradients", "query_error", "e2e", "context"):
         assert (wd / f"figures/{fig}.pdf").read_bytes()[:4] == b"%PDF"
     claims = json.loads((wd / "results/claims.json").read_text())
-    assert len(claims) == 8 and all(c["verdict"] for c in claims)
+    assert len(claims) == 10 and all(c["verdict"] for c in claims)
     assert {c["protocol"] for c in claims if "protocol" in c} <= {"continuations", "natural"}
     assert len(json.loads((wd / "results/eval/natural.json").read_text())["items"]) == 24
     assert all(c.get("seeds") == 2 for c in claims if c.get("seeds") is not None)
