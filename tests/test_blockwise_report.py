@@ -162,7 +162,7 @@ def test_blockwise_is_its_own_snakemake_target(tmp_path):
 
 
 def write_remedies(root, remedies: dict, hybrid_mat_alphas=(0.85, 0.78, 0.72, 0.68, 0.66, 0.65, 0.64)):
-    """The default hybrid (its gate share collapsing 0.2 -> 0.02) under root/ and the remedies
+    """The default hybrid (its gate share collapsing early, 0.2 -> 0.005) under root/ and the remedies
     {name: (alphas, final gate share)} under root/blockwise/."""
     from kvshot.io import write_json
 
@@ -170,7 +170,7 @@ def write_remedies(root, remedies: dict, hybrid_mat_alphas=(0.85, 0.78, 0.72, 0.
 
     write_json(root / "eval/hybrid/stepwise.json", stepwise_record(list(hybrid_mat_alphas), "hybrid", 1))
     write_json(root / "eval/hybrid/e2e.json", e2e_record(3.0, 0.01, 400))
-    write_json(root / "drafters/hybrid/train_log.json", train_log("hybrid", 0.3, 0.05, 0.05, 0.02))
+    write_json(root / "drafters/hybrid/train_log.json", train_log("hybrid", 0.3, 0.05, 0.05, 0.005))
     write_json(root / "drafters/hybrid/metrics.json", {"eval": {}})
     for name, (alphas, share) in remedies.items():
         base = root / "blockwise"
