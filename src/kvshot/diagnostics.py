@@ -12,8 +12,9 @@ gate_share       per hybrid layer, |g * delta| / |h|: the norm of the gated KV c
                  can stay at 0.5 while delta is negligible.
 
 Both come from one plain K-step unroll (`ttt.reference_unroll`'s loop) per diagnostic batch,
-with the probabilities from `attention.reference_attention` on a subsample of rows; several
-batches (train.diagnostic_sequences, held-out) are pooled row-weighted into one log point.
+with the probabilities from `attention.reference_attention` on a subsample of rows. The gate
+share pools the scored rows of several held-out batches (train.diagnostic_sequences) into one
+log point; the costlier own-key mass is read on the first of them.
 
 kv_grad_positions / query_grad_positions  (`GradientPositions`, from the real backward of a
                  logging step) per scored query row of a KV-path attention, the effective number
@@ -101,11 +102,11 @@ class _Recorder:
 
 
 @contextmanager
-def _recording(model: Drafter, rec: _Recorder):
+def _recording(model: Drafter, rec: _Recorder, attend: bool = True):
     """Route every KV-path attention through `rec` (beside the real call, whose output is
-    used) and hand the hybrid's gated corrections to it; undone on exit."""
+    used; attend=False: not) and hand the hybrid's gated corrections to it; undone on exit."""
     patched = []
-    for layer, (_, attn) in enumerate(model.kv_attentions()):
+    for layer, (_, attn) in enumerate(model.kv_attentions() if attend else []):
         def attend(q, prefix, mask, diag, _attn=attn, _layer=layer):
             rec.attend(_layer, q, prefix, mask, diag)
             return type(_attn).attend(_attn, q, prefix, mask, diag)
@@ -126,15 +127,19 @@ def _recording(model: Drafter, rec: _Recorder):
 @torch.no_grad()
 def attention_diagnostics(model: Drafter, batches: dict[str, Tensor] | list[dict[str, Tensor]], steps: int,
                           sequences: int = 2, max_rows: int = 128) -> dict:
-    """`kv_own_key_mass` (mean over steps) with `kv_own_key_mass_k` (per step), and for a hybrid
-    `gate_share` (per layer), pooled over the scored rows of every batch given (one batch or a
-    list: the log point's diagnostic batches), each on its first `sequences` sequences that have
-    a scored row; empty for a drafter with neither, or batches with no scored row. Teacher-forced,
-    every anchor, as training computes the loss."""
+    """`kv_own_key_mass` (mean over steps) with `kv_own_key_mass_k` (per step) on the first batch,
+    and for a hybrid `gate_share` (per layer) pooled over the scored rows of every batch given (one
+    batch or a list: the log point's diagnostic batches), each on its first `sequences` sequences
+    that have a scored row; empty for a drafter with neither, or batches with no scored row.
+    Teacher-forced, every anchor, as training computes the loss."""
     if not model.kv_attentions() and not hasattr(model, "gate_probe"):
         return {}
     rec = _Recorder(steps, max_rows)
-    for batch in [batches] if isinstance(batches, dict) else batches:
+    batches = [batches] if isinstance(batches, dict) else batches
+    gated = hasattr(model, "gate_probe")
+    # the gate share is cheap (one unroll) and averaged over every batch; the own-key mass needs
+    # the reference attention per layer and step, so its first batch carries it alone
+    for i, batch in enumerate(batches if gated else batches[:1]):
         labelled = shift(assistant_tokens(batch), 2, False).any(1)   # sequences with a scored row at step 0
         chosen = labelled.nonzero().view(-1)[:sequences]
         if len(chosen) == 0:
@@ -142,7 +147,7 @@ def attention_diagnostics(model: Drafter, batches: dict[str, Tensor] | list[dict
         sub = {k: v[chosen] for k, v in batch.items()}
         ids = sub["input_ids"].long()
         anchors = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-        with _recording(model, rec):
+        with _recording(model, rec, attend=i == 0):
             state = model.begin(context(sub, model.compute_dtype()), anchors)
             for k in range(steps):
                 rec.step, rec.rows = k, shift(assistant_tokens(sub), k + 2, False)
@@ -208,7 +213,7 @@ class GradientPositions:
     into per-row position counts before the optimizer moves the weights. Rows without a loss
     (zero gradient) are left out. enabled=False: nothing is patched."""
 
-    def __init__(self, model: Drafter, enabled: bool = True, max_rows: int = 64):
+    def __init__(self, model: Drafter, enabled: bool = True, max_rows: int = 32):
         self.model, self.enabled, self.max_rows = model, enabled and bool(model.kv_attentions()), max_rows
         self.sums = {"kv": 0.0, "query": 0.0, "ratio": 0.0, "on_own": 0.0}
         self.rows = 0
@@ -217,14 +222,18 @@ class GradientPositions:
     def _attend(self, attn):
         def attend(q, prefix, mask, diag):
             out = type(attn).attend(attn, q, prefix, mask, diag)
-            own = stacked(diag) if isinstance(diag, list) else diag
-            if own is None or not out.requires_grad:
+            if not diag or not out.requires_grad:
                 return out
             tq = q.shape[2]
             rows = (torch.arange(tq, device=q.device) if tq <= self.max_rows else
                     torch.linspace(0, tq - 1, self.max_rows, device=q.device).round().long().unique())
-            kept = (q[:, :, rows].detach(), prefix.k.detach(), prefix.v.detach(), mask.visible()[:, rows],
-                    *own_keys_of_rows(Diagonal(own.k.detach(), own.v.detach(), own.steps), rows))
+            if isinstance(diag, list):   # step by step: only the sampled rows' keys, not a copy of every row's
+                own = own_keys_of_rows(Diagonal(torch.stack([x.k[:, :, rows].detach() for x in diag], 2),
+                                                torch.stack([x.v[:, :, rows].detach() for x in diag], 2)),
+                                       torch.arange(len(rows), device=q.device))
+            else:
+                own = own_keys_of_rows(Diagonal(diag.k.detach(), diag.v.detach(), diag.steps), rows)
+            kept = (q[:, :, rows].detach(), prefix.k.detach(), prefix.v.detach(), mask.visible()[:, rows], *own)
             w_o = attn.o_proj.weight
 
             def on_grad(d_y: Tensor) -> None:

@@ -407,7 +407,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     start, tokens_seen = time.time(), 0
     bar = Progress(total=tc["max_steps"], initial=progress["step"], desc=f"train {name}", unit="step",
                    disable=rank != 0)
-    probe_batches = diagnostic_batches(eval_src, tc.get("diagnostic_sequences", 8), tc["max_len"], rt.device)
+    probe_batches = diagnostic_batches(eval_src, tc.get("diagnostic_sequences", 4), tc["max_len"], rt.device)
     model.train()
     while progress["step"] < tc["max_steps"]:
         step = progress["step"]
