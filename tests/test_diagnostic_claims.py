@@ -249,3 +249,21 @@ def test_figures_draw_the_pooled_and_per_seed_diagnostics(tmp_path):
     for fig in (gate, gradients):
         fig(variants, tmp_path / f"{fig.__name__}.pdf")
         assert (tmp_path / f"{fig.__name__}.pdf").read_bytes()[:4] == b"%PDF"
+
+
+def test_a_block_and_a_chain_drafter_log_gradient_positions_in_training(tiny, tiny_features, tmp_path):
+    """The block-wise densification verdict reads the same field from both trainers."""
+    import json
+
+    from kvshot.train import train_variant
+
+    from .test_blockwise import block_cfg
+    from .test_train import run, small_cfg
+
+    cfg = block_cfg(tiny, max_steps=2, eval_every=0)
+    train_variant(cfg, tiny["rt"], "bk2", str(tiny_features["train"]), str(tiny_features["eval"]), str(tiny["model"]),
+                  str(tmp_path / "bk2"))
+    run(tiny, tiny_features, small_cfg(tiny, max_steps=2, log_every=1), tmp_path / "kv2", "kv2")
+    for name in ("bk2", "kv2"):
+        log = json.loads((tmp_path / name / "train_log.json").read_text())
+        assert len(log) == 2 and all(0 < r["kv_grad_position_ratio"] <= 1 for r in log), name
