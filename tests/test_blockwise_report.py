@@ -233,8 +233,8 @@ def test_kv_warmup_trains_the_hybrids_kv_branch_alone_first(tiny, tiny_features,
 
 
 def test_readme_carries_the_blockwise_block(tmp_path):
-    """`kvshot readme` also regenerates the block-wise table and verdicts between their markers
-    when results/blockwise/claims.json exists, from the target's own files."""
+    """`kvshot readme` also regenerates the block-wise verdicts between their markers when
+    results/blockwise/claims.json exists, from the target's own files."""
     from kvshot.report import update_readme
 
     up = {f"block-kv-d{d}": [min(a + 0.15, 0.99) for a in CHAIN_ALPHAS[f"kv-d{d}"]] for d in (1, 2, 4)}
@@ -253,9 +253,8 @@ def test_readme_carries_the_blockwise_block(tmp_path):
     text = readme.read_text()
     block = text.split("<!-- blockwise:start -->")[1].split("<!-- blockwise:end -->")[0]
     assert "stale" not in block and text.endswith("after\n") and "\nmid\n" in text
-    row = next(line for line in block.splitlines() if line.startswith("| block-kv-d2 |"))
-    assert row.startswith("| block-kv-d2 | block | kv | 2 | 1.000 | 0 | 0.750 | ")   # alpha_0 0.60 + 0.15
-    assert "| 0.620 |" in row   # alpha_6 0.47 + 0.15, on enough rounds
-    hidden = next(line for line in block.splitlines() if line.startswith("| block-hidden |")).split(" | ")
-    assert hidden[6] == "0.700" and hidden[8] == "insufficient data" and int(hidden[9]) < 30   # alpha_6, n_6
+    # the table stays in results/blockwise/blockwise.csv; the README keeps one line per verdict
+    assert not any(line.startswith("| block-kv-d2 |") for line in block.splitlines())
+    assert "results/blockwise/claims.md" in block
     assert "- block-wise training rescues long-range KV drafting: **reproduced**\n" in block
+    assert "- block-wise training densifies the KV-path gradient: **reproduced**\n" in block
