@@ -162,7 +162,7 @@ def test_blockwise_is_its_own_snakemake_target(tmp_path):
 
 
 def write_remedies(root, remedies: dict, hybrid_mat_alphas=(0.85, 0.78, 0.72, 0.68, 0.66, 0.65, 0.64)):
-    """The default hybrid (its gate share collapsing 0.2 -> 0.02) under root/ and the remedies
+    """The default hybrid (its gate share collapsing early, 0.2 -> 0.005) under root/ and the remedies
     {name: (alphas, final gate share)} under root/blockwise/."""
     from kvshot.io import write_json
 
@@ -170,7 +170,7 @@ def write_remedies(root, remedies: dict, hybrid_mat_alphas=(0.85, 0.78, 0.72, 0.
 
     write_json(root / "eval/hybrid/stepwise.json", stepwise_record(list(hybrid_mat_alphas), "hybrid", 1))
     write_json(root / "eval/hybrid/e2e.json", e2e_record(3.0, 0.01, 400))
-    write_json(root / "drafters/hybrid/train_log.json", train_log("hybrid", 0.3, 0.05, 0.05, 0.02))
+    write_json(root / "drafters/hybrid/train_log.json", train_log("hybrid", 0.3, 0.05, 0.05, 0.005))
     write_json(root / "drafters/hybrid/metrics.json", {"eval": {}})
     for name, (alphas, share) in remedies.items():
         base = root / "blockwise"
@@ -233,8 +233,8 @@ def test_kv_warmup_trains_the_hybrids_kv_branch_alone_first(tiny, tiny_features,
 
 
 def test_readme_carries_the_blockwise_block(tmp_path):
-    """`kvshot readme` also regenerates the block-wise table and verdicts between their markers
-    when results/blockwise/claims.json exists, from the target's own files."""
+    """`kvshot readme` also regenerates the block-wise verdicts between their markers when
+    results/blockwise/claims.json exists, from the target's own files."""
     from kvshot.report import update_readme
 
     up = {f"block-kv-d{d}": [min(a + 0.15, 0.99) for a in CHAIN_ALPHAS[f"kv-d{d}"]] for d in (1, 2, 4)}
@@ -253,9 +253,8 @@ def test_readme_carries_the_blockwise_block(tmp_path):
     text = readme.read_text()
     block = text.split("<!-- blockwise:start -->")[1].split("<!-- blockwise:end -->")[0]
     assert "stale" not in block and text.endswith("after\n") and "\nmid\n" in text
-    row = next(line for line in block.splitlines() if line.startswith("| block-kv-d2 |"))
-    assert row.startswith("| block-kv-d2 | block | kv | 2 | 1.000 | 0 | 0.750 | ")   # alpha_0 0.60 + 0.15
-    assert "| 0.620 |" in row   # alpha_6 0.47 + 0.15, on enough rounds
-    hidden = next(line for line in block.splitlines() if line.startswith("| block-hidden |")).split(" | ")
-    assert hidden[6] == "0.700" and hidden[8] == "insufficient data" and int(hidden[9]) < 30   # alpha_6, n_6
+    # the table stays in results/blockwise/blockwise.csv; the README keeps one line per verdict
+    assert not any(line.startswith("| block-kv-d2 |") for line in block.splitlines())
+    assert "results/blockwise/claims.md" in block
     assert "- block-wise training rescues long-range KV drafting: **reproduced**\n" in block
+    assert "- block-wise training densifies the KV-path gradient: **reproduced**\n" in block

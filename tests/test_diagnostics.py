@@ -94,6 +94,9 @@ def test_train_log_carries_the_measured_diagnostics(tiny, tiny_features, tmp_pat
     for rec in log:
         assert len(rec["kv_own_key_mass_k"]) == steps and 0 < rec["kv_own_key_mass"] < 1
         assert len(rec["gate_share"]) == 1 and rec["gate_share"][0] > 0
+        # where the real backward sends gradient: fewer positions into W_K/W_V than into W_Q/W_O
+        assert 0 < rec["kv_grad_positions"] < rec["query_grad_positions"] and rec["grad_position_rows"] > 0
+        assert 0 < rec["kv_grad_position_ratio"] < 1 and 0 < rec["kv_grad_on_own_keys"] < 1
 
 
 def test_a_batch_without_scored_rows_measures_nothing(drafter_world):

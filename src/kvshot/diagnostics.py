@@ -11,8 +11,18 @@ gate_share       per hybrid layer, |g * delta| / |h|: the norm of the gated KV c
                  against the hidden state it is added to, averaged over the same rows. g alone
                  can stay at 0.5 while delta is negligible.
 
-Both come from one plain K-step unroll (`ttt.reference_unroll`'s loop) over a few sequences of
-the batch, with the probabilities from `attention.reference_attention` on a subsample of rows.
+Both come from one plain K-step unroll (`ttt.reference_unroll`'s loop) per diagnostic batch,
+with the probabilities from `attention.reference_attention` on a subsample of rows. The gate
+share pools the scored rows of several held-out batches (train.diagnostic_sequences) into one
+log point; the costlier own-key mass is read on the first of them.
+
+kv_grad_positions / query_grad_positions  (`GradientPositions`, from the real backward of a
+                 logging step) per scored query row of a KV-path attention, the effective number
+                 of attended positions whose gradient reaches the drafter's W_K/W_V (its own,
+                 drafted keys: the copied prefix KV passes gradient to nothing) against those
+                 whose gradient reaches W_Q/W_O (every attended key and value); their per-row
+                 ratio is `kv_grad_position_ratio`. This is the paper's sparse-gradient
+                 mechanism counted where it acts, not a ratio of parameter-gradient norms.
 """
 from __future__ import annotations
 
@@ -92,11 +102,11 @@ class _Recorder:
 
 
 @contextmanager
-def _recording(model: Drafter, rec: _Recorder):
+def _recording(model: Drafter, rec: _Recorder, attend: bool = True):
     """Route every KV-path attention through `rec` (beside the real call, whose output is
-    used) and hand the hybrid's gated corrections to it; undone on exit."""
+    used; attend=False: not) and hand the hybrid's gated corrections to it; undone on exit."""
     patched = []
-    for layer, (_, attn) in enumerate(model.kv_attentions()):
+    for layer, (_, attn) in enumerate(model.kv_attentions() if attend else []):
         def attend(q, prefix, mask, diag, _attn=attn, _layer=layer):
             rec.attend(_layer, q, prefix, mask, diag)
             return type(_attn).attend(_attn, q, prefix, mask, diag)
@@ -115,25 +125,167 @@ def _recording(model: Drafter, rec: _Recorder):
 
 
 @torch.no_grad()
-def attention_diagnostics(model: Drafter, batch: dict[str, Tensor], steps: int, sequences: int = 2,
-                          max_rows: int = 128) -> dict:
-    """`kv_own_key_mass` (mean over steps) with `kv_own_key_mass_k` (per step), and for a hybrid
-    `gate_share` (per layer), on the first `sequences` sequences of the batch that have a scored
-    row; empty for a drafter with neither, or a batch with no scored row. Teacher-forced, every
-    anchor, as training computes the loss."""
+def attention_diagnostics(model: Drafter, batches: dict[str, Tensor] | list[dict[str, Tensor]], steps: int,
+                          sequences: int = 2, max_rows: int = 128) -> dict:
+    """`kv_own_key_mass` (mean over steps) with `kv_own_key_mass_k` (per step) on the first batch,
+    and for a hybrid `gate_share` (per layer) pooled over the scored rows of every batch given (one
+    batch or a list: the log point's diagnostic batches), each on its first `sequences` sequences
+    that have a scored row; empty for a drafter with neither, or batches with no scored row.
+    Teacher-forced, every anchor, as training computes the loss."""
     if not model.kv_attentions() and not hasattr(model, "gate_probe"):
         return {}
-    labelled = shift(assistant_tokens(batch), 2, False).any(1)   # sequences with a scored row at step 0
-    chosen = labelled.nonzero().view(-1)[:sequences]
-    if len(chosen) == 0:
-        return {}
-    sub = {k: v[chosen] for k, v in batch.items()}
-    ids = sub["input_ids"].long()
-    anchors = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
     rec = _Recorder(steps, max_rows)
-    with _recording(model, rec):
-        state = model.begin(context(sub, model.compute_dtype()), anchors)
-        for k in range(steps):
-            rec.step, rec.rows = k, shift(assistant_tokens(sub), k + 2, False)
-            model.step(state, shift(ids, k + 1), anchors + k + 1, k)
+    batches = [batches] if isinstance(batches, dict) else batches
+    gated = hasattr(model, "gate_probe")
+    # the gate share is cheap (one unroll) and averaged over every batch; the own-key mass needs
+    # the reference attention per layer and step, so its first batch carries it alone
+    for i, batch in enumerate(batches if gated else batches[:1]):
+        labelled = shift(assistant_tokens(batch), 2, False).any(1)   # sequences with a scored row at step 0
+        chosen = labelled.nonzero().view(-1)[:sequences]
+        if len(chosen) == 0:
+            continue
+        sub = {k: v[chosen] for k, v in batch.items()}
+        ids = sub["input_ids"].long()
+        anchors = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        with _recording(model, rec, attend=i == 0):
+            state = model.begin(context(sub, model.compute_dtype()), anchors)
+            for k in range(steps):
+                rec.step, rec.rows = k, shift(assistant_tokens(sub), k + 2, False)
+                model.step(state, shift(ids, k + 1), anchors + k + 1, k)
     return rec.summary()
+
+
+# ---------------------------------------------------------------- where the KV path's gradient comes from
+
+def participation(w: Tensor) -> Tensor:
+    """(sum w)^2 / sum w^2 over the last dim: the effective number of positions sharing the
+    non-negative weights w (n equal weights give n, one dominant weight gives 1; 0 if all zero).
+    Parameter-free, so "how many positions" needs no threshold on "non-negligible"."""
+    return w.sum(-1).square() / w.square().sum(-1).clamp(min=1e-30)
+
+
+def own_keys_of_rows(diag: Diagonal, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The drafter's own keys and values that each query row in `rows` attends, [B, Hkv, R, S, D],
+    and which of the S it sees [R, S] (`Diagonal`'s two layouts)."""
+    if diag.steps:   # steps in rows: row (a, s) sees its anchor's keys of steps 0..s
+        slot = torch.arange(diag.steps, device=rows.device)
+        idx = (rows // diag.steps * diag.steps)[:, None] + slot
+        return diag.k[:, :, idx], diag.v[:, :, idx], slot[None] <= (rows % diag.steps)[:, None]
+    k, v = diag.k[:, :, :, rows].transpose(2, 3), diag.v[:, :, :, rows].transpose(2, 3)
+    return k, v, torch.ones(len(rows), diag.k.shape[2], dtype=torch.bool, device=rows.device)
+
+
+def gradient_positions(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, visible: Tensor, own_k: Tensor, own_v: Tensor,
+                       own_seen: Tensor, d_out: Tensor, d_y_norm: Tensor, scale: float) -> dict[str, Tensor]:
+    """Per query row [B, R], from the gradient d_out [B, H, R, D] that the loss sends to the
+    attention's output (the o_proj input; d_y_norm [B, R]: the norm at the o_proj output): every
+    attended position j passes gradient to its key (|dS_ij| |q_i|) and value (p_ij |dO_i|), and
+    into the query (|dS_ij| |k_j|) and W_O (p_ij |v_j| |dY_i|), dS = p (dP - sum p dP) the
+    softmax backward. Keys and values of the copied prefix belong to the target: only the own
+    positions' share reaches W_K/W_V. Returns `kv` and `query` (effective positions, `participation`,
+    summed over heads) and `on_own` (the share of the key/value gradient on own positions).
+    q [B, H, R, D]; prefix_k/v [B, Hkv, Tp, D] seen where visible [B, R, Tp]; own_k/v [B, Hkv, R, S, D]."""
+    f = lambda x: x.float()   # noqa: E731
+    group = q.shape[1] // prefix_k.shape[1]
+    pk, pv = f(prefix_k).repeat_interleave(group, 1), f(prefix_v).repeat_interleave(group, 1)
+    ok, ov = f(own_k).repeat_interleave(group, 1), f(own_v).repeat_interleave(group, 1)
+    q, d_out = f(q), f(d_out)
+    b, h, r, _ = q.shape
+    tp, s = pk.shape[2], ok.shape[3]
+    scores = torch.cat([q @ pk.transpose(-1, -2), (q[..., None, :] * ok).sum(-1)], -1) * scale
+    seen = torch.cat([visible[:, None].expand(b, 1, r, tp), own_seen.expand(b, 1, r, s)], -1)
+    probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), -1).nan_to_num(0.0)
+    d_p = torch.cat([d_out @ pv.transpose(-1, -2), (d_out[..., None, :] * ov).sum(-1)], -1)
+    d_s = probs * (d_p - (probs * d_p).sum(-1, keepdim=True))
+    key_norm = torch.cat([pk.norm(dim=-1)[:, :, None].expand(b, h, r, tp), ok.norm(dim=-1)], -1)
+    value_norm = torch.cat([pv.norm(dim=-1)[:, :, None].expand(b, h, r, tp), ov.norm(dim=-1)], -1)
+    to_kv = (d_s.abs() * scale * q.norm(dim=-1, keepdim=True) + probs * d_out.norm(dim=-1, keepdim=True)).sum(1)
+    to_query = (d_s.abs() * scale * key_norm + probs * value_norm * f(d_y_norm)[:, None, :, None]).sum(1)
+    own = to_kv[..., tp:]
+    return {"kv": participation(own), "query": participation(to_query),
+            "on_own": own.sum(-1) / to_kv.sum(-1).clamp(min=1e-30)}
+
+
+class GradientPositions:
+    """On a logging step, around the real forward and backward: each KV-path attention call
+    keeps a subsample of its query rows (at most max_rows, evenly spread) and a hook on its
+    output; the backward hands the hook the loss's gradient, which `gradient_positions` turns
+    into per-row position counts before the optimizer moves the weights. Rows without a loss
+    (zero gradient) are left out. enabled=False: nothing is patched."""
+
+    def __init__(self, model: Drafter, enabled: bool = True, max_rows: int = 32):
+        self.model, self.enabled, self.max_rows = model, enabled and bool(model.kv_attentions()), max_rows
+        self.sums = {"kv": 0.0, "query": 0.0, "ratio": 0.0, "on_own": 0.0}
+        self.rows = 0
+        self._patched: list = []
+
+    def _attend(self, attn):
+        def attend(q, prefix, mask, diag):
+            out = type(attn).attend(attn, q, prefix, mask, diag)
+            if not diag or not out.requires_grad:
+                return out
+            tq = q.shape[2]
+            rows = (torch.arange(tq, device=q.device) if tq <= self.max_rows else
+                    torch.linspace(0, tq - 1, self.max_rows, device=q.device).round().long().unique())
+            if isinstance(diag, list):   # step by step: only the sampled rows' keys, not a copy of every row's
+                own = own_keys_of_rows(Diagonal(torch.stack([x.k[:, :, rows].detach() for x in diag], 2),
+                                                torch.stack([x.v[:, :, rows].detach() for x in diag], 2)),
+                                       torch.arange(len(rows), device=q.device))
+            else:
+                own = own_keys_of_rows(Diagonal(diag.k.detach(), diag.v.detach(), diag.steps), rows)
+            kept = (q[:, :, rows].detach(), prefix.k.detach(), prefix.v.detach(), mask.visible()[:, rows], *own)
+            w_o = attn.o_proj.weight
+
+            def on_grad(d_y: Tensor) -> None:
+                d_y = d_y[:, rows].detach().float()                           # [B, R, hidden]
+                b, r = d_y.shape[:2]
+                d_out = (d_y @ w_o.detach().float()).view(b, r, q.shape[1], q.shape[3]).transpose(1, 2)
+                got = gradient_positions(*kept, d_out, d_y.norm(dim=-1), 1.0 / math.sqrt(q.shape[-1]))
+                scored = d_y.norm(dim=-1) > 0
+                if scored.any():
+                    kv, query = got["kv"][scored], got["query"][scored]
+                    self.sums["kv"] += float(kv.sum())
+                    self.sums["query"] += float(query.sum())
+                    self.sums["ratio"] += float((kv / query.clamp(min=1e-30)).sum())
+                    self.sums["on_own"] += float(got["on_own"][scored].sum())
+                    self.rows += int(scored.sum())
+
+            out.register_hook(on_grad)
+            return out
+        return attend
+
+    def __enter__(self) -> "GradientPositions":
+        if self.enabled:
+            for _, attn in self.model.kv_attentions():
+                attn.attend = self._attend(attn)   # instance attribute: shadows the method for this module only
+                self._patched.append(attn)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for attn in self._patched:
+            del attn.attend
+        self._patched = []
+
+    def summary(self) -> dict:
+        """Means over the scored sampled rows of every KV-path call (layers, steps); empty if none."""
+        if not self.rows:
+            return {}
+        n = self.rows
+        return {"kv_grad_positions": self.sums["kv"] / n, "query_grad_positions": self.sums["query"] / n,
+                "kv_grad_position_ratio": self.sums["ratio"] / n, "kv_grad_on_own_keys": self.sums["on_own"] / n,
+                "grad_position_rows": n}
+
+
+DIAGNOSTIC_BATCH = 2   # sequences per diagnostic unroll: its reference attention holds [H, rows, keys] per layer
+
+
+def diagnostic_batches(source, sequences: int, max_len: int, device) -> list[dict[str, Tensor]]:
+    """The first `sequences` sequences of the held-out split, in batches of DIAGNOSTIC_BATCH,
+    cut to max_len and on `device`: the same at every log point, so a diagnostic's trajectory
+    follows the drafter, not the batch it happened to be measured on."""
+    ids = list(range(min(sequences, len(source))))
+    out = []
+    for i in range(0, len(ids), DIAGNOSTIC_BATCH):
+        batch = source.batch(ids[i: i + DIAGNOSTIC_BATCH])
+        out.append({k: (t[:, :max_len] if t.dim() >= 2 else t).to(device) for k, t in batch.items()})
+    return out

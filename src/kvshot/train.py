@@ -19,7 +19,7 @@ import torch
 
 from .blockwise import any_unroll, block_attention_diagnostics, block_key_share, is_block, objective, training_forward
 from .config import ConfigError, Runtime, all_variants, drafter_autocast
-from .diagnostics import attention_diagnostics
+from .diagnostics import GradientPositions, attention_diagnostics, diagnostic_batches
 from .drafters import Drafter, DrafterConfig, build_drafter
 from .drafters.attention import use_attention
 from .drafters.standalone import init_from_target
@@ -421,6 +421,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     start, tokens_seen = time.time(), 0
     bar = Progress(total=tc["max_steps"], initial=progress["step"], desc=f"train {name}", unit="step",
                    disable=rank != 0)
+    probe_batches = diagnostic_batches(eval_src, tc.get("diagnostic_sequences", 4), tc["max_len"], rt.device)
     model.train()
     while progress["step"] < tc["max_steps"]:
         step = progress["step"]
@@ -433,18 +434,20 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
         labels = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
         local = torch.tensor([float(scored_tokens(batch, labels, model.t2d, k)[1].sum()) for k in range(steps_k)])
         denominators = (accel.reduce(local.to(accel.device), "sum").cpu().clamp(min=1) / world).tolist()
-        with rt.autocast():   # bf16 runtime: bf16 compute over the fp32 parameters; losses in fp32
-            un: Unrolled = ddp(batch, steps_k)
-            losses, counts, correct, acc_n = step_losses(model, un, batch, labels, denominators)
-            loss = weighted_loss(losses, decay)
-        bad = accel.reduce(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=accel.device), "sum")
-        if float(bad) > 0:
-            raise FloatingPointError(f"train {name}: loss is {loss.item()} at step {step}; {no_good_state()}")
-        loss.backward()
+        logging = step % tc["log_every"] == 0 or step + 1 == tc["max_steps"]
+        # on a logging step: which positions the real backward sends gradient from (`diagnostics`)
+        with GradientPositions(model, enabled=logging) as positions:
+            with rt.autocast():   # bf16 runtime: bf16 compute over the fp32 parameters; losses in fp32
+                un: Unrolled = ddp(batch, steps_k)
+                losses, counts, correct, acc_n = step_losses(model, un, batch, labels, denominators)
+                loss = weighted_loss(losses, decay)
+            bad = accel.reduce(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=accel.device), "sum")
+            if float(bad) > 0:
+                raise FloatingPointError(f"train {name}: loss is {loss.item()} at step {step}; {no_good_state()}")
+            loss.backward()
         if step < warm_steps:   # hybrid-warm: no update outside the KV branch yet (AdamW skips grad None)
             for p in waiting:
                 p.grad = None
-        logging = step % tc["log_every"] == 0 or step + 1 == tc["max_steps"]
         norms = grad_norms(groups) if logging else None
         total_norm = torch.nn.utils.clip_grad_norm_(params, tc["grad_clip"])
         if not torch.isfinite(total_norm):   # gradients are all-reduced: every rank sees the same norm
@@ -463,8 +466,10 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
                    "grad_norm": norms, "kv_key_share": ((block_key_share(un.valid, un.anchors, model.cfg.block_size)
                                                          if is_block(model) else kv_key_share(un.valid, un.anchors))
                                                         if model.kv_attentions() else None)}
-            with rt.autocast():   # measured own-key attention mass and hybrid gate share (`diagnostics`)
-                rec.update((block_attention_diagnostics if is_block(model) else attention_diagnostics)(model, batch, steps_k))
+            rec.update(positions.summary())
+            with rt.autocast():   # own-key attention mass and hybrid gate share on the fixed held-out batches
+                rec.update(block_attention_diagnostics(model, batch, steps_k) if is_block(model)
+                           else attention_diagnostics(model, probe_batches, steps_k))
             if hasattr(model, "gate"):
                 g = model.gate().detach()
                 rec["gate"] = {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max())}

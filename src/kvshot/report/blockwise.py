@@ -6,8 +6,8 @@ Block variants live under results/blockwise/ (drafters/<variant>/seed<N>, eval/<
 the chains they are judged against are the default run's KV-only variants under results/.
 Block position k is chain step k: alpha_k, MAT and retention read the same way for both.
 The gate remedies for the hybrid (`blockwise.remedies`, also under results/blockwise/) are
-judged against the default run's hybrid: does the KV branch's share |g delta| / |h| stay open,
-and does that buy acceptance?
+judged against the default run's hybrid, where its gate collapsed: does the KV branch's share
+|g delta| / |h| stay open, and does that buy acceptance?
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import statistics
 from pathlib import Path
 
 from ..io import read_json, write_json, write_text
-from .claims import (GATE_COLLAPSE_RATIO, INCONCLUSIVE, MISSING, NOT_REPRODUCED, REPRODUCED, Judge, _gate_claim,
-                     agree, alpha_at, claim, claims_markdown, combine, mat_of)
+from .claims import (INCONCLUSIVE, MISSING, NOT_REPRODUCED, REPRODUCED, Judge, _gate_claim, _per_seed, agree, alpha_at,
+                     claim, claims_markdown, combine, mat_of)
+from .diagnostic_rules import band, log_values, paired_replicates, side
 from .figures import _err, _save, _style, decay, depth, plt
 from .results import (Variant, block_context, is_ablation, judged_protocol, load_variants, position_decay,
                       refine_passes, seed_folders, seed_runs, with_protocol)
@@ -56,22 +57,31 @@ def split_roles(block: list[Variant], chain: list[Variant]) -> dict:
             "chain": {v.layers: v for v in chain if v.paradigm == "kv"}, "ablations": ablations}
 
 
-def median_grad_ratio(v: Variant | None) -> float | None:
-    """Median over the logged steps of |grad W_K,W_V| / |grad W_Q,W_O| (train_log grad_norm)."""
-    grads = [r["grad_norm"] for r in (v.log if v else []) if {"kv_wk_wv", "kv_query_out"} <= set(r.get("grad_norm") or {})]
-    return statistics.median(g["kv_wk_wv"] / max(g["kv_query_out"], 1e-12) for g in grads) if grads else None
+def median_position_ratio(v: Variant | None) -> float | None:
+    """Positions sending gradient into W_K,W_V / into W_Q,W_O (train_log kv_grad_position_ratio):
+    the median over each seed's log points, averaged over the seeds."""
+    per_seed = [[x for _, x in log_values(lg)] for lg in (v.seed_logs if v else [])]
+    per_seed = [statistics.median(xs) for xs in per_seed if xs]
+    return statistics.mean(per_seed) if per_seed else None
 
 
 def _gradient_verdict(pairs: list[tuple[Variant, Variant]]) -> tuple[str, dict]:
-    """Is the block's KV-path gradient ratio above the chain's at every depth?"""
+    """Does the block's KV path draw gradient from more positions than the chain's at every depth?
+    Per depth the block - chain difference of `kv_grad_position_ratio`, paired by seed, decides
+    when its 95% seed band (`diagnostic_rules.band`; one seed: its log points) excludes 0."""
     numbers, verdicts = {}, []
     for block, chain in pairs:
-        b, c = median_grad_ratio(block), median_grad_ratio(chain)
-        if b is None or c is None:
+        diffs = paired_replicates(block.seed_logs, chain.seed_logs)
+        b, c = median_position_ratio(block), median_position_ratio(chain)
+        if b is None or c is None or not diffs:
             verdicts.append(MISSING)
             continue
+        spread = band(diffs)
         numbers[f"{block.name} / {chain.name}"] = f"{b:.3f} / {c:.3f}"
-        verdicts.append(REPRODUCED if b > c else NOT_REPRODUCED)
+        numbers[f"{block.name} - {chain.name}"] = (f"{statistics.mean(diffs):+.3f}" +
+                                                   (f" [{spread[1]:+.3f}, {spread[2]:+.3f}]" if spread else ""))
+        where = side(spread, 0.0)
+        verdicts.append(INCONCLUSIVE if not where else REPRODUCED if where > 0 else NOT_REPRODUCED)
     return combine(verdicts), numbers
 
 
@@ -128,16 +138,12 @@ def evaluate_block_claims(block: list[Variant], chain: list[Variant]) -> list[di
         add("block-wise KV context vs block-wise hidden context", "", test, {}, MISSING)
 
     pairs = [(r["block_kv"][d], r["chain"][d]) for d in depths]
-    verdict, nums = _gradient_verdict(pairs)
-    seed_verdicts = []
-    for run in per_seed:
-        names = {v.name: v for v in run}
-        seed_verdicts.append(_gradient_verdict([(names[b.name], names[c.name]) for b, c in pairs])[0])
-    final = agree(verdict, seed_verdicts) if pairs else MISSING
+    verdict, nums = _gradient_verdict(pairs) if pairs else (MISSING, {})
     add("block-wise training densifies the KV-path gradient",
         "sparse KV-path gradient under autoregressive TTT (drafter-side W_K/W_V see only the drafted tokens)",
-        "median over training of |grad W_K,W_V| / |grad W_Q,W_O|: block-kv-dN > kv-dN at every depth, every seed",
-        nums, final, len(seed_verdicts))
+        "positions sending gradient into W_K,W_V / into W_Q,W_O (per scored query, median over training), "
+        "block-kv-dN - kv-dN paired by seed: its 95% seed band above 0 at every depth (reproduced), below 0 at one "
+        "(not reproduced), else inconclusive; one seed: the band over its log points", nums, verdict)
 
     for abl, twin in r["ablations"]:   # ablations, not claims of the paper: either direction is reported
         nums, ups, downs = {}, [], []
@@ -163,10 +169,11 @@ def evaluate_block_claims(block: list[Variant], chain: list[Variant]) -> list[di
 
 
 def evaluate_remedy_claims(remedies: list[Variant], hybrids: list[Variant]) -> list[dict]:
-    """One verdict per gate remedy against the default hybrid: reproduced when the KV branch's
-    measured share |g delta| / |h| does not collapse (final >= GATE_COLLAPSE_RATIO x initial, in
-    every seed: `claims._gate_claim` does not find a collapse) and MAT(remedy) > MAT(hybrid) by
-    the 95% intervals in every seed; not reproduced when it collapses or MAT is lower."""
+    """One verdict per gate remedy against the default hybrid, credited only where that hybrid's
+    gate collapsed (`claims._gate_claim`, every seed agreeing); otherwise inconclusive: there is
+    nothing to remedy. Where it did: reproduced when the remedy's gate does not collapse (in
+    every seed) and MAT(remedy) > MAT(hybrid) by the 95% intervals in every seed; not reproduced
+    when it collapses too or MAT is lower."""
     hybrid = min(hybrids, key=lambda v: v.layers) if hybrids else None
     if not remedies:
         return []
@@ -176,15 +183,22 @@ def evaluate_remedy_claims(remedies: list[Variant], hybrids: list[Variant]) -> l
     per_seed = seed_runs(everyone)
     judge, out = Judge(per_seed), []
     hybrid = everyone[-1] if hybrid else None
+    baseline = _per_seed(_gate_claim, (hybrid,), [(run[-1],) for run in per_seed])["verdict"] if hybrid else MISSING
     for i, r in enumerate(everyone[: len(remedies)]):
-        test = (f"|g delta|/|h| of {r.name} stays >= {GATE_COLLAPSE_RATIO} x its initial value (every seed) and "
-                f"MAT({r.name}) > MAT({hybrid.name if hybrid else 'hybrid'}), 95% intervals")
+        test = (f"only where {hybrid.name if hybrid else 'the hybrid'}'s gate collapsed (gate collapse reproduced): "
+                f"the gate of {r.name} does not collapse (every seed) and MAT({r.name}) > "
+                f"MAT({hybrid.name if hybrid else 'hybrid'}), 95% intervals")
         gate = _gate_claim(r)
         seeds = [_gate_claim(run[i])["verdict"] for run in per_seed]
-        collapse = agree(gate["verdict"], seeds)   # reproduced: the share collapsed
-        numbers = dict(gate["numbers"])
-        if hybrid is None or collapse == MISSING or gate["verdict"] == MISSING:
+        collapse = agree(gate["verdict"], seeds)   # reproduced: the remedy's gate collapsed too
+        numbers = {f"{r.name}: {k}": x for k, x in gate["numbers"].items()}
+        numbers[f"gate collapse of {hybrid.name if hybrid else 'the hybrid'}"] = baseline
+        notes = [gate.get("note", "")]
+        if hybrid is None or collapse == MISSING or gate["verdict"] == MISSING or baseline == MISSING:
             verdict = MISSING
+        elif baseline != REPRODUCED:
+            verdict = INCONCLUSIVE
+            notes.append(f"not applicable: the baseline hybrid's gate did not collapse (gate collapse: {baseline})")
         else:
             mat = judge.greater(r, hybrid, mat_of)
             numbers |= {f"MAT {r.name}": mat_of(r).text(), f"MAT {hybrid.name}": mat_of(hybrid).text()}
@@ -196,7 +210,7 @@ def evaluate_remedy_claims(remedies: list[Variant], hybrids: list[Variant]) -> l
                 verdict = INCONCLUSIVE
         c = claim(f"gate remedy {r.name}", "gate-induced gradient starvation: the hybrid gate closes early and "
                   "stays closed (remedies: not measured in the paper)", test, numbers, verdict,
-                  "; ".join(filter(None, [judge.take_notes(), gate.get("note", "")])), len(per_seed))
+                  "; ".join(filter(None, [judge.take_notes(), *notes])), len(per_seed))
         c["protocol"], c["reference_repetition"] = judged["protocol"], judged["repetition"]
         out.append(c)
     return out
@@ -216,7 +230,7 @@ def block_rows(block: list[Variant], chain: list[Variant]) -> list[dict]:
                    "context": block_context(v) if kind == "block" else "kv",
                    "layers": v.layers, "protocol": sw.get("protocol", "continuations"),
                    "MAT": sw["mat"], "MAT_lo": sw["mat_ci"][0], "MAT_hi": sw["mat_ci"][1],
-                   "retention": sw["retention_observed"], "kv_grad_ratio": median_grad_ratio(v)}
+                   "retention": sw["retention_observed"], "kv_grad_positions": median_position_ratio(v)}
             row |= {f"alpha_{k}": a for k, a in enumerate(sw["alpha_observed"])}
             row |= {f"n_{k}": n for k, n in enumerate(sw["rounds"])} | {"min_rounds": sw["min_rounds"]}
             chain_e2e = (v.e2e or {}).get("modes", {}).get("chain")
@@ -232,7 +246,7 @@ def remedy_rows(variants: list[Variant]) -> list[dict]:
     the start and the end of training."""
     rows = []
     for v in with_protocol(variants, judged_protocol(variants)["protocol"]):
-        shares = [r["gate_share"] for r in v.log if any(x is not None for x in r.get("gate_share") or [])]
+        shares = [r["gate_share"] for r in v.log if any(x is not None for x in r.get("gate_share") or [])]   # pooled
         mean = lambda xs: statistics.mean(x for x in xs if x is not None)   # noqa: E731
         rows.append({"variant": v.name, "kind": "remedy" if v.train.get("remedy") else "hybrid", "layers": v.layers,
                      "protocol": v.stepwise.get("protocol", "continuations"), "MAT": v.stepwise["mat"],

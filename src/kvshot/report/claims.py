@@ -22,16 +22,16 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..resample import AnchorPanel, Interval, interval, read_panel, same_anchors
+from .diagnostic_rules import (GATE_CLOSED_FRACTION, GATE_EARLY_FRACTION, GATE_MIN_POINTS, GATE_SHARE,
+                               KV_POSITION_RATIO, KV_SPARSE_RATIO, band, gate_collapse, gate_trajectory, log_values,
+                               replicates, share_trajectory, side)
 from .e2e_claim import e2e_claim   # the E2E claim: an equivalence test on paired tau (its own module)
 from .verdicts import INCONCLUSIVE, MISSING, NOT_REPRODUCED, REPRODUCED, agree, claim, combine  # noqa: F401
 from .results import PAPER, Variant, anchor_counts, judged_protocol, roles, seed_runs, with_protocol
 
 
-GATE_COLLAPSE_RATIO = 0.5      # final gate share |g delta|/|h| below half its initial value
+# the diagnostic rules and their thresholds: report/diagnostic_rules.py, docs/paper-vs-kvshot.md (Diagnostics)
 GATE_SHARE_NEGLIGIBLE = 0.01   # a KV branch that adds under 1% of |h| is effectively unused (noted)
-GATE_SHARE = "gate_share"      # train_log field: per hybrid layer, |g * delta| / |h| over scored rows
-KV_KEY_SHARE_SPARSE = 0.2      # under 20% of the attention mass on keys from the drafter's own W_K/W_V
-KV_GRAD_RATIO_SPARSE = 0.5     # |grad W_K,W_V| below half of |grad W_Q,W_O| (median over training)
 OWN_KEY_MASS = "kv_own_key_mass"   # train_log field: measured attention mass on the drafter's own keys
 
 
@@ -231,8 +231,8 @@ def evaluate_claims(variants: list[Variant], per_seed: list[list[Variant]] | Non
     seed_roles = [roles(run) for run in per_seed]
     out.append(e2e_claim(ref, hyb))   # pools the seeds itself (prompt x seed bootstrap)
     out.append(_per_seed(_gate_claim, (hyb,), [(s["hybrid"],) for s in seed_roles]))
-    deepest = lambda rr: rr["kv"][max(rr["kv"])] if rr["kv"] else None   # noqa: E731
-    out.append(_per_seed(_gradient_claim, (deepest(r),), [(deepest(s),) for s in seed_roles]))
+    # the gradient band is drawn from the seeds themselves (`diagnostic_rules.replicates`)
+    out.append(_gradient_claim(r["kv"][max(r["kv"])] if r["kv"] else None) | ({"seeds": n_seeds} if n_seeds else {}))
     return out
 
 
@@ -249,54 +249,71 @@ def _per_seed(test: Callable[..., dict], pooled_args: tuple, seed_args: list[tup
 
 
 def _gate_claim(hyb: Variant | None) -> dict:
-    name, paper = "gate collapse", "the hybrid gate falls toward 0 early and stays closed"
-    test = (f"KV branch share |g delta| / |h| (mean over layers, measured in training): final < "
-            f"{GATE_COLLAPSE_RATIO} x initial (closed); at or above the initial share: not reproduced")
+    """The paper's gate collapse on the trajectory of |g delta| / |h| (`diagnostic_rules.gate_collapse`):
+    on the log given (pooled over the seeds for a variant of several), with each seed's beside."""
+    name, paper = "gate collapse", "the hybrid gate falls toward 0 early and stays closed, starving the KV branch"
+    test = (f"KV branch share |g delta| / |h| (mean over layers, each log point averaged over the held-out "
+            f"diagnostic sequences and the seeds): closed below {GATE_CLOSED_FRACTION:g} x its first value within the "
+            f"first {GATE_EARLY_FRACTION:.0%} of training and at every later log point; fewer than {GATE_MIN_POINTS} "
+            f"log points: inconclusive")
     log = hyb.log if hyb else []
-    gates = [r["gate"]["mean"] for r in log if "gate" in r]
-    shares = [(r["step"], r[GATE_SHARE]) for r in log if any(x is not None for x in r.get(GATE_SHARE) or [])]
-    g_numbers = {"initial g": f"{gates[0]:.3f}", "final g": f"{gates[-1]:.3f}"} if gates else {}
+    gates, shares = gate_trajectory(log), share_trajectory(log)
+    g_numbers = {"g first -> last": f"{gates[0][1]:.3f} -> {gates[-1][1]:.3f}"} if gates else {}
     if len(shares) < 2:
         if len(gates) < 2:
             return claim(name, paper, test, {}, MISSING)
         return claim(name, paper, test, g_numbers, INCONCLUSIVE,
                      f"only g is logged: g can stay open while g delta is negligible against h; the measured share "
                      f"(train_log `{GATE_SHARE}`) is needed")
-    mean = lambda xs: statistics.mean(x for x in xs if x is not None)   # noqa: E731
-    first, final = mean(shares[0][1]), mean(shares[-1][1])
-    verdict = REPRODUCED if final < GATE_COLLAPSE_RATIO * first else NOT_REPRODUCED if final >= first else INCONCLUSIVE
-    numbers = {"initial share": f"{first:.4f}", "final share": f"{final:.4f}",
-               "final share per layer": ", ".join(f"{x:.4f}" for x in shares[-1][1] if x is not None)} | g_numbers
+    rule = gate_collapse(shares)
+    numbers = {"share first -> last": f"{rule['initial']:.4f} -> {rule['final']:.4f}",
+               "closed from step": "never" if rule["closed_at"] is None else str(rule["closed_at"]),
+               "early: up to step": "n/a" if rule["early_until"] is None else f"{rule['early_until']:g}"} | g_numbers
+    seed_logs = [lg for lg in hyb.seed_logs if share_trajectory(lg)] if len(hyb.seed_logs) > 1 else []
+    if seed_logs:   # each seed's trajectory beside the pooled one
+        rules = [gate_collapse(share_trajectory(lg)) for lg in seed_logs]
+        numbers["per seed: share first -> last, closed from"] = "; ".join(
+            f"{x['initial']:.4f} -> {x['final']:.4f}, {'never' if x['closed_at'] is None else x['closed_at']}"
+            for x in rules)
     note = (f"the KV branch adds under {GATE_SHARE_NEGLIGIBLE:.0%} of |h| at the end: effectively unused"
-            if final < GATE_SHARE_NEGLIGIBLE else "")
-    return claim(name, paper, test, numbers, verdict, note)
+            if rule["final"] < GATE_SHARE_NEGLIGIBLE else "")
+    if rule["collapsed"] is None:
+        return claim(name, paper, test, numbers, INCONCLUSIVE, "; ".join(filter(None, [
+            note, f"{len(shares)} log points: too few to tell early from late, or none inside the early window"])))
+    return claim(name, paper, test, numbers, REPRODUCED if rule["collapsed"] else NOT_REPRODUCED, note)
 
 
 def _gradient_claim(deep: Variant | None) -> dict:
-    name, paper = "sparse KV-path gradient", "drafter-side W_K/W_V see only the drafted tokens: sparse, unbalanced gradient"
-    test = (f"{deep.name if deep else 'deepest KV-only'}: measured attention mass of KV-path queries on the drafter's "
-            f"own keys < {KV_KEY_SHARE_SPARSE} and median |grad W_K,W_V| / |grad W_Q,W_O| < {KV_GRAD_RATIO_SPARSE}")
-    log = deep.log if deep else []
-    grads = [r["grad_norm"] for r in log if {"kv_wk_wv", "kv_query_out"} <= set(r.get("grad_norm") or {})]
-    measured = [r[OWN_KEY_MASS] for r in log if r.get(OWN_KEY_MASS) is not None]
-    formula = [r["kv_key_share"] for r in log if r.get("kv_key_share") is not None]
-    if not grads or not (measured or formula):
-        return claim(name, paper, test, {}, MISSING)
-    ratio = statistics.median(g["kv_wk_wv"] / max(g["kv_query_out"], 1e-12) for g in grads)
-    if not measured:
-        # (k+1)/(t+k+2) is a function of lengths alone: it cannot fail, so it decides nothing
-        return claim(name, paper, test, {"own-key share (length formula)": f"{statistics.mean(formula):.3f}",
-                                         "grad ratio": f"{ratio:.3f}"}, INCONCLUSIVE,
-                     f"only the length formula (k+1)/(t+k+2) is logged; a measured attention mass on the "
-                     f"drafter's own keys (train_log `{OWN_KEY_MASS}`) is needed")
-    share = statistics.mean(measured)
-    ok = share < KV_KEY_SHARE_SPARSE and ratio < KV_GRAD_RATIO_SPARSE
-    half = share < KV_KEY_SHARE_SPARSE or ratio < KV_GRAD_RATIO_SPARSE
-    numbers = {"own-key attention mass": f"{share:.3f}", "grad ratio": f"{ratio:.3f}"}
-    by_step = [r[f"{OWN_KEY_MASS}_k"] for r in log if r.get(f"{OWN_KEY_MASS}_k")]
-    if by_step:   # the last logged step's mass per draft step: own keys grow from 1 to K
-        numbers["final mass by step"] = ", ".join("n/a" if x is None else f"{x:.3f}" for x in by_step[-1])
-    return claim(name, paper, test, numbers, REPRODUCED if ok else INCONCLUSIVE if half else NOT_REPRODUCED)
+    """The paper's sparse KV-path gradient, counted where it acts: per scored KV-path query, the
+    effective positions whose gradient reaches W_K/W_V against those reaching W_Q/W_O, measured in
+    the real backward (`diagnostics.GradientPositions`); the band over the seeds decides."""
+    name, paper = "sparse KV-path gradient", ("drafter-side W_K/W_V see only the drafted tokens while the prefix KV "
+                                              "is copied: sparse, unbalanced gradient")
+    test = (f"{deep.name if deep else 'deepest KV-only'}: positions sending gradient into W_K,W_V / into W_Q,W_O "
+            f"(per scored query, median over training per seed): the 95% seed band below {KV_SPARSE_RATIO:g} "
+            f"(reproduced), above it (not reproduced), holding it (inconclusive); one seed: the band over its log points")
+    logs = deep.seed_logs if deep else []
+    values = replicates(logs)
+    if not values:
+        norms = any("kv_wk_wv" in (r.get("grad_norm") or {}) for lg in logs for r in lg)
+        return claim(name, paper, test, {}, MISSING, "only gradient norms are logged: a ratio of norms is not how many "
+                     f"positions send gradient; the position counts (train_log `{KV_POSITION_RATIO}`) are needed"
+                     if norms else "")
+    b = band(values)
+    per_seed = [statistics.median(x for _, x in log_values(lg)) for lg in logs if log_values(lg)]
+    pooled = b[0] if b else per_seed[0]
+    numbers = {"KV / query positions": f"{pooled:.3f}" + (f" [{b[1]:.3f}, {b[2]:.3f}]" if b else ""),
+               "per seed": ", ".join(f"{x:.3f}" for x in per_seed)}
+    for field, what in (("kv_grad_positions", "positions into W_K,W_V"), ("query_grad_positions", "into W_Q,W_O"),
+                        ("kv_grad_on_own_keys", "key/value gradient on own keys"),
+                        ("kv_own_key_mass", "own-key attention mass")):
+        xs = [x for lg in logs for _, x in log_values(lg, field)]
+        if xs:
+            numbers[what] = f"{statistics.median(xs):.3f}"
+    where = side(b, KV_SPARSE_RATIO)
+    if where is None:
+        return claim(name, paper, test, numbers, INCONCLUSIVE, "a single value: no spread to judge against")
+    return claim(name, paper, test, numbers, REPRODUCED if where < 0 else NOT_REPRODUCED if where > 0 else INCONCLUSIVE)
 
 
 def claims_markdown(claims: list[dict], time_capped: list[str] = ()) -> str:

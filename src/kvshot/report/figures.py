@@ -136,11 +136,17 @@ def depth(variants: list[Variant], path) -> None:
 
 
 def gate(variants: list[Variant], path) -> None:
-    """The hybrid gate over training: g (mean, band min-max) and the share the gated KV
-    correction adds to the hidden state, |g delta| / |h|, per layer (log scale)."""
+    """The hybrid gate over training, pooled over the seeds: g (mean, band min-max) and the
+    share the gated KV correction adds to the hidden state, |g delta| / |h|, per layer (log
+    scale), each seed's layer mean in grey beside it."""
+    from .diagnostic_rules import share_trajectory
+
     _style()
     fig, (ax, axs) = plt.subplots(1, 2, figsize=(10.5, 3.8))
-    for v in variants:
+    for v in variants:   # v.log: pooled over the seeds (each seed's share: thin grey)
+        for log in v.seed_logs if len(v.seed_logs) > 1 else []:
+            pts = share_trajectory(log)
+            axs.plot([s for s, _ in pts], [x for _, x in pts], linewidth=0.8, alpha=0.5, color="grey")
         recs = [x for x in v.log if "gate" in x]
         if recs:
             steps = [x["step"] for x in recs]
@@ -166,21 +172,38 @@ def gate(variants: list[Variant], path) -> None:
 
 
 def gradients(variants: list[Variant], path) -> None:
+    """Per KV-path variant, over training: positions sending gradient into W_K,W_V per those into
+    W_Q,W_O (`diagnostics.GradientPositions`; bold: pooled over the seeds, thin: each seed; the
+    dotted line is the sparse-gradient line of the claim), and below it the parameter groups'
+    gradient norms (pooled)."""
+    from .diagnostic_rules import KV_POSITION_RATIO, KV_SPARSE_RATIO, log_values
+
     _style()
-    kv_variants = [v for v in variants if any(x.get("kv_key_share") is not None for x in v.log)]
-    fig, axes = plt.subplots(1, max(1, len(kv_variants)), figsize=(3.6 * max(1, len(kv_variants)), 3.6), sharey=True,
-                             squeeze=False)
-    for ax, v in zip(axes[0], kv_variants):
+    kv_variants = [v for v in variants if any(x.get("kv_key_share") is not None or x.get(KV_POSITION_RATIO) is not None
+                                              for x in v.log)]
+    n = max(1, len(kv_variants))
+    fig, axes = plt.subplots(2, n, figsize=(3.6 * n, 6.4), sharey="row", squeeze=False)
+    for col, v in enumerate(kv_variants):
+        ax = axes[0][col]
+        for log in v.seed_logs if len(v.seed_logs) > 1 else []:
+            pts = log_values(log)
+            ax.plot([s for s, _ in pts], [x for _, x in pts], linewidth=0.8, alpha=0.5, color="grey")
+        pts = log_values(v.log)
+        ax.plot([s for s, _ in pts], [x for _, x in pts], linewidth=2.5, label="pooled")
+        ax.axhline(KV_SPARSE_RATIO, linestyle=":", color="black")
+        ax.set_ylim(0, 1)
+        ax.set_title(v.name)
+        ax = axes[1][col]
         steps = [x["step"] for x in v.log]
-        for group in sorted({g for x in v.log for g in x["grad_norm"]}):
-            ax.plot(steps, [x["grad_norm"].get(group, float("nan")) for x in v.log], label=group,
+        for group in sorted({g for x in v.log for g in x.get("grad_norm") or {}}):
+            ax.plot(steps, [(x.get("grad_norm") or {}).get(group, float("nan")) for x in v.log], label=group,
                     linewidth=2.5 if group == "kv_wk_wv" else 1.0)
         ax.set_yscale("log")
-        ax.set_title(v.name)
         ax.set_xlabel("training step")
-    axes[0][0].set_ylabel("gradient norm")
-    axes[0][-1].legend(fontsize=7)
-    fig.suptitle("KV path's drafter-side W_K/W_V (bold) vs other parameter groups")
+    axes[0][0].set_ylabel("positions into W_K,W_V / W_Q,W_O")
+    axes[1][0].set_ylabel("gradient norm")
+    axes[1][-1].legend(fontsize=7)
+    fig.suptitle("KV path: where its gradient comes from (top: pooled bold, seeds thin) and gradient norms")
     _save(fig, path)
 
 

@@ -26,9 +26,15 @@ class Variant:
     layers: int
     stepwise: dict
     train: dict                       # the drafter's metrics.json
-    log: list = field(default_factory=list)   # train_log.json records
+    log: list = field(default_factory=list)   # train_log.json records, pooled over the seeds (`pool_logs`)
     e2e: dict | None = None
     protocols: dict = field(default_factory=dict)   # protocol name -> its stepwise view (`stepwise` is one of them)
+
+    @property
+    def seed_logs(self) -> list[list]:
+        """Each seed's own train log (metrics.json `per_seed`), or the one log of a single run."""
+        logs = [s.get("train_log") or [] for s in self.train.get("per_seed") or []]
+        return logs if logs else [self.log]
 
     @property
     def label(self) -> str:
@@ -117,9 +123,37 @@ def seed_folders(variant_dir: Path, sw: dict) -> list[Path]:
     return sorted(variant_dir.glob("seed*/"), key=lambda p: int(p.name[4:]) if p.name[4:].isdigit() else -1)
 
 
+def _mean_of(values: list):
+    """The mean of the seeds' values of one train_log field: numbers averaged over the seeds that
+    measured them (None where none did), lists element-wise, dicts key-wise."""
+    given = [x for x in values if x is not None]
+    if not given:
+        return None
+    if all(isinstance(x, dict) for x in given):
+        return {k: _mean_of([x.get(k) for x in given]) for k in given[0]}
+    if all(isinstance(x, list) for x in given):
+        width = max(len(x) for x in given)
+        return [_mean_of([x[i] if i < len(x) else None for x in given]) for i in range(width)]
+    if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in given):
+        return sum(given) / len(given)
+    return given[0]
+
+
+def pool_logs(logs: list[list[dict]]) -> list[dict]:
+    """The seeds' train logs as one: at each step every seed logged, every diagnostic averaged
+    over the seeds (`_mean_of`), with `seeds` the number of logs pooled. One log: itself."""
+    if len(logs) == 1:
+        return logs[0]
+    by_step = [{r["step"]: r for r in log if "step" in r} for log in logs]
+    common = sorted(set.intersection(*(set(s) for s in by_step))) if by_step else []
+    return [{"step": step, "seeds": len(logs)} | {k: _mean_of([s[step].get(k) for s in by_step])
+                                                  for k in by_step[0][step] if k != "step"} for step in common]
+
+
 def train_records(variant_dir: Path, sw: dict) -> tuple[dict, list]:
-    """The first seed's metrics.json and train log (figures read them), with every seed's in
-    `per_seed` (each with its `train_log`, for the per-seed diagnostics of the claims)."""
+    """The first seed's metrics.json with every seed's in `per_seed` (each with its `train_log`,
+    for the per-seed diagnostics of the claims), and the train log pooled over the seeds
+    (`pool_logs`): every diagnostic a table, figure or claim labels "(N seeds)" reads all N."""
     folders = seed_folders(variant_dir, sw)
     if folders == [variant_dir]:   # one folder: its metrics.json may carry the seeds' records itself
         return read_json(variant_dir / "metrics.json"), read_json(variant_dir / "train_log.json")
@@ -127,7 +161,7 @@ def train_records(variant_dir: Path, sw: dict) -> tuple[dict, list]:
         raise FileNotFoundError(f"{variant_dir}: no trained drafter (seed<N>/metrics.json)")
     per_seed = [read_json(f / "metrics.json") | {"train_log": read_json(f / "train_log.json")} for f in folders]
     first = {k: v for k, v in per_seed[0].items() if k != "train_log"}
-    return first | {"per_seed": per_seed}, per_seed[0]["train_log"]
+    return first | {"per_seed": per_seed}, pool_logs([s["train_log"] for s in per_seed])
 
 
 def load_variants(results: str | Path, names: list[str], with_e2e: bool = True,
