@@ -216,7 +216,8 @@ def training_rows(variants: list[Variant]) -> list[dict]:
 
 def training_summary_rows(variants: list[Variant]) -> list[dict]:
     """One row per variant over its seeds: steps, why training stopped, the last held-out loss
-    and its relative change over the curve's last interval (near 0: the curve has flattened)."""
+    and its relative change over the curve's last interval, and the same for held-out acc_0
+    (absolute change): both near 0 is what the plateau rule calls flat."""
     rows = []
     for v in variants:
         seeds = v.train.get("per_seed") or [v.train]
@@ -224,13 +225,22 @@ def training_summary_rows(variants: list[Variant]) -> list[dict]:
         curves = [[p["heldout_loss"] for p in m.get("heldout_curve") or []] for m in seeds]
         changes = [(c[-1] - c[-2]) / c[-2] for c in curves if len(c) >= 2]
         lasts = [c[-1] for c in curves if c]
+        accs = [[p["heldout_acc_k"][0] for p in m.get("heldout_curve") or [] if p.get("heldout_acc_k")] for m in seeds]
+        acc_last = [a[-1] for a in accs if a]
+        acc_change = [a[-1] - a[-2] for a in accs if len(a) >= 2]   # absolute: the plateau rule's acc_0 measure
         rows.append({"variant": v.name, "seeds": len(seeds), "steps": "/".join(str(m.get("steps")) for m in seeds),
                      "stopped by": ", ".join(f"{s} x{sum(m.get('stopped_by') == s for m in seeds)}" for s in stops),
                      "held-out loss last (mean)": sum(lasts) / len(lasts) if lasts else None,
                      "last interval change (mean)": f"{100 * sum(changes) / len(changes):+.2f}%" if changes else "",
+                     "held-out acc_0 last (mean)": _mean(acc_last),
+                     "acc_0 last interval change (mean)": f"{_mean(acc_change):+.3f}" if acc_change else "",
                      "interval (steps)": (seeds[0].get("heldout_curve") or [{}, {}])[-1].get("step", 0)
                      - (seeds[0].get("heldout_curve") or [{}, {}])[-2].get("step", 0) if changes else None})
     return rows
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
 
 
 def time_capped(variants: list[Variant], target_metrics: dict | None = None) -> list[str]:
