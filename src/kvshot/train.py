@@ -469,7 +469,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
             rec.update(positions.summary())
             with rt.autocast():   # own-key attention mass and hybrid gate share on the fixed held-out batches
                 rec.update(block_attention_diagnostics(model, batch, steps_k) if is_block(model)
-                           else attention_diagnostics(model, probe_batches, steps_k))
+                           else attention_diagnostics(model, probe_batches or batch, steps_k))
             if hasattr(model, "gate"):
                 g = model.gate().detach()
                 rec["gate"] = {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max())}
