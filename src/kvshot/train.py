@@ -421,7 +421,8 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     start, tokens_seen = time.time(), 0
     bar = Progress(total=tc["max_steps"], initial=progress["step"], desc=f"train {name}", unit="step",
                    disable=rank != 0)
-    probe_batches = diagnostic_batches(eval_src, tc.get("diagnostic_sequences", 4), tc["max_len"], rt.device)
+    # the validation split: held out like eval, and what training-time measurements read (not the eval anchors)
+    probe_batches = diagnostic_batches(val_src, tc.get("diagnostic_sequences", 4), tc["max_len"], rt.device)
     model.train()
     while progress["step"] < tc["max_steps"]:
         step = progress["step"]
