@@ -267,3 +267,14 @@ def test_a_block_and_a_chain_drafter_log_gradient_positions_in_training(tiny, ti
     for name in ("bk2", "kv2"):
         log = json.loads((tmp_path / name / "train_log.json").read_text())
         assert len(log) == 2 and all(0 < r["kv_grad_position_ratio"] <= 1 for r in log), name
+
+
+def test_diagnostic_batches_hold_scored_rows_within_max_len(tiny_features):
+    from kvshot.diagnostics import diagnostic_batches
+    from kvshot.features import open_features
+    from kvshot.ttt import assistant_tokens, shift
+
+    src = open_features(tiny_features["eval"])
+    got = diagnostic_batches(src, 3, 24, "cpu")
+    assert [len(b["input_ids"]) for b in got] == [2, 1] and all(b["input_ids"].shape[1] <= 24 for b in got)
+    assert all(bool(shift(assistant_tokens(b), 2, False).any(1).all()) for b in got)   # every sequence scored

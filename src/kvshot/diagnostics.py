@@ -280,12 +280,19 @@ DIAGNOSTIC_BATCH = 2   # sequences per diagnostic unroll: its reference attentio
 
 
 def diagnostic_batches(source, sequences: int, max_len: int, device) -> list[dict[str, Tensor]]:
-    """The first `sequences` sequences of the held-out split, in batches of DIAGNOSTIC_BATCH,
-    cut to max_len and on `device`: the same at every log point, so a diagnostic's trajectory
-    follows the drafter, not the batch it happened to be measured on."""
-    ids = list(range(min(sequences, len(source))))
+    """The first `sequences` held-out sequences that have a scored row within max_len, in batches
+    of DIAGNOSTIC_BATCH, cut to max_len and on `device`: the same at every log point, so a
+    diagnostic's trajectory follows the drafter, not the batch it happened to be measured on.
+    Empty when no held-out sequence has a scored row (the caller measures on its training batch)."""
+    chosen = []
+    for i in range(len(source)):
+        one = {k: t[:, :max_len] for k, t in source.batch([i]).items()}
+        if shift(assistant_tokens(one), 2, False).any():
+            chosen.append(i)
+            if len(chosen) == sequences:
+                break
     out = []
-    for i in range(0, len(ids), DIAGNOSTIC_BATCH):
-        batch = source.batch(ids[i: i + DIAGNOSTIC_BATCH])
-        out.append({k: (t[:, :max_len] if t.dim() >= 2 else t).to(device) for k, t in batch.items()})
+    for i in range(0, len(chosen), DIAGNOSTIC_BATCH):
+        batch = source.batch(chosen[i: i + DIAGNOSTIC_BATCH])
+        out.append({k: t[:, :max_len].to(device) for k, t in batch.items()})
     return out

@@ -421,7 +421,8 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     start, tokens_seen = time.time(), 0
     bar = Progress(total=tc["max_steps"], initial=progress["step"], desc=f"train {name}", unit="step",
                    disable=rank != 0)
-    probe_batches = diagnostic_batches(eval_src, tc.get("diagnostic_sequences", 4), tc["max_len"], rt.device)
+    # the validation split: held out like eval, and what training-time measurements read (not the eval anchors)
+    probe_batches = diagnostic_batches(val_src, tc.get("diagnostic_sequences", 4), tc["max_len"], rt.device)
     model.train()
     while progress["step"] < tc["max_steps"]:
         step = progress["step"]
@@ -469,7 +470,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
             rec.update(positions.summary())
             with rt.autocast():   # own-key attention mass and hybrid gate share on the fixed held-out batches
                 rec.update(block_attention_diagnostics(model, batch, steps_k) if is_block(model)
-                           else attention_diagnostics(model, probe_batches, steps_k))
+                           else attention_diagnostics(model, probe_batches or batch, steps_k))
             if hasattr(model, "gate"):
                 g = model.gate().detach()
                 rec["gate"] = {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max())}
