@@ -8,8 +8,9 @@ sequence bootstrap, the training seeds' variance as its own component, 95% two-s
 zero the other way, `inconclusive` otherwise, with the smallest difference this run would decide
 at 80% power (`mde`) beside it. A number that rests on fewer distinct anchors than the minimum
 (stepwise.json `min_rounds`) makes its comparison inconclusive. Each comparison is recorded in
-its claim's `comparisons` (claims.json). The diagnostics without per-anchor data (E2E timings,
-gate, gradients) state their own rules with each test. The paper's numbers come from
+its claim's `comparisons` (claims.json). The E2E claim pairs tau on shared prompts
+(`e2e_claim`); the diagnostics (gate, gradient positions) state their rules with each test
+(`diagnostic_rules`). The paper's numbers come from
 results.PAPER. Step-wise claims are judged on the evaluation protocol whose reference tokens
 repeat themselves at most eval.max_repetition (`results.judged_protocol`), recorded in each
 claim as `protocol`.
@@ -32,7 +33,6 @@ from .results import PAPER, Variant, anchor_counts, judged_protocol, roles, seed
 
 # the diagnostic rules and their thresholds: report/diagnostic_rules.py, docs/paper-vs-kvshot.md (Diagnostics)
 GATE_SHARE_NEGLIGIBLE = 0.01   # a KV branch that adds under 1% of |h| is effectively unused (noted)
-OWN_KEY_MASS = "kv_own_key_mass"   # train_log field: measured attention mass on the drafter's own keys
 
 
 @dataclass(frozen=True)
