@@ -210,8 +210,9 @@ def test_smoke_dag_goes_through_sbatch(slurm_run, tmp_path):
     ids = re.findall(r"has been submitted with SLURM jobid (\d+)", proc.stdout + proc.stderr)
     drafters = read_config([str(REPO / "config/config.yaml"), str(REPO / "config/smoke.yaml")])["drafters"]
     variants = [v["name"] for v in drafters["variants"]]
-    # data, tokenizer, target, 2 captures, continuations, report; per variant: one training job per seed, 2 evals
-    jobs = 7 + (2 + len(drafters["seeds"])) * len(variants)
+    # data, tokenizer, target, 3 captures (train, val, eval), continuations, e2e_timing, report;
+    # per variant: one training job per seed, 2 evals
+    jobs = 9 + (2 + len(drafters["seeds"])) * len(variants)
     assert len(ids) == jobs and len(set(ids)) == jobs       # every job but `all`, each its own sbatch
     for name in variants:
         assert json.loads((wd / f"results/eval/{name}/e2e.json").read_text())["lossless"] is True
