@@ -19,8 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-LEVEL = 0.95   # two-sided, as the step-wise intervals
-POWER = 0.80   # the minimum detectable difference is stated at this power
+from .resample import LEVEL, POWER   # one confidence level and power for every verdict
+
 
 
 @dataclass(frozen=True)

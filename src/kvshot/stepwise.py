@@ -318,11 +318,10 @@ def summarize_tally(tally: dict, items: list[dict], steps: int, bootstrap_sample
     (`chain_summary`; anchors: the per-anchor panel of every seed pooled in the tally, default the
     tally's own), the repetition share of the reference tokens, alpha_k by context length."""
     anchors = anchors if anchors is not None else anchor_panel([tally], steps)
-    reached = torch.stack([r for r, _ in tally["groups"].values()])
     result = {
         "acc": (tally["tf_correct"] / max(tally["tf_total"], 1)).tolist(),
         "acc_note": "unconditional teacher-forced top-1 accuracy per step (acc_k), not alpha_k",
-        "sequences": int(reached.shape[0]),
+        "sequences": len(tally["groups"]),
         "anchors": tally["tf_total"],
         "steps": steps,
         "repetition": repetition_share(items),
