@@ -64,7 +64,7 @@ def test_to_hf_logits_equal_every_unroll_step(setup):
     un = unroll(model, lm_batch(ids), K)
     t = ids.shape[1]
     for k in range(K):
-        torch.testing.assert_close(un.logits[k][:, : t - k - 1], ref[:, k + 1:], atol=1e-5, rtol=0)
+        torch.testing.assert_close(un.step_logits(k)[:, : t - k - 1], ref[:, k + 1:], atol=1e-5, rtol=0)
     state = model.begin({}, torch.full((2, 1), -1))          # x_0 as the only row, nothing before it
     h0 = model.step(state, ids[:, :1], torch.zeros(2, 1, dtype=torch.long), 0)
     torch.testing.assert_close(model.logits(h0)[:, 0], ref[:, 0], atol=1e-5, rtol=0)
@@ -95,7 +95,7 @@ def test_decoding_rounds_equal_the_batched_unroll(setup):
         for k in range(1, K):
             out.append(model.logits(model.step(state, ids[:, t + k + 1: t + k + 2], torch.tensor([[t + k + 1]]), k)))
         for k in range(K):
-            torch.testing.assert_close(out[k][0, 0], un.logits[k][0, t], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out[k][0, 0], un.step_logits(k)[0, t], atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()
@@ -103,13 +103,13 @@ def test_no_future_leakage(setup):
     src, target = setup
     model = random_drafter(target, seed=2)
     ids = src.batch([1])["input_ids"].long()
-    base = unroll(model, lm_batch(ids), K).logits
+    base = [unroll(model, lm_batch(ids), K).step_logits(k) for k in range(K)]
     t = ids.shape[1] // 2
     for k in range(K):
         changed = ids.clone()
         changed[:, t + k + 2:] = (changed[:, t + k + 2:] + 7) % 100
-        after = unroll(model, lm_batch(changed), K).logits
-        torch.testing.assert_close(after[k][:, t], base[k][:, t], atol=1e-5, rtol=1e-5)
+        after = unroll(model, lm_batch(changed), K).step_logits(k)
+        torch.testing.assert_close(after[:, t], base[k][:, t], atol=1e-5, rtol=1e-5)
     changed = ids.clone()
     changed[:, 0] = (changed[:, 0] + 7) % 100     # x_0 is seen by every row
     assert not torch.allclose(unroll(model, lm_batch(changed), 1).logits[0][:, t], base[0][:, t])
@@ -149,7 +149,7 @@ def test_save_load_and_to_hf_refuses_a_reduced_vocab(setup, tmp_path):
     loaded = load_drafter(tmp_path / "s").eval()
     ids = src.batch([0])["input_ids"][:, :30].long()
     with torch.no_grad():
-        assert torch.equal(unroll(loaded, lm_batch(ids), 2).logits[1], unroll(model, lm_batch(ids), 2).logits[1])
+        assert torch.equal(unroll(loaded, lm_batch(ids), 2).step_logits(1), unroll(model, lm_batch(ids), 2).step_logits(1))
     reduced = copy.deepcopy(model)
     reduced.set_vocab(model.embed_tokens.weight, torch.flip(torch.arange(target.config.vocab_size), [0]))
     with pytest.raises(ValueError, match="full target vocabulary"):
@@ -193,5 +193,51 @@ def test_teacher_forced_shortcut_equals_the_step_by_step_unroll(setup):
     slow = unroll(model, batch, K)
     t = batch["input_ids"].shape[1]
     for k in range(K):
-        torch.testing.assert_close(fast.logits[k][:, : t - k - 1], slow.logits[k][:, : t - k - 1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(fast.step_logits(k)[:, : t - k - 1], slow.logits[k][:, : t - k - 1], atol=1e-5, rtol=0)
         assert torch.equal(fast.valid[k], slow.valid[k])
+
+
+def test_shared_logits_loss_equals_the_step_by_step_loss(setup):
+    """The K steps' losses from one [B, T, N] tensor (the soft CE once per position) equal the
+    generic unroll's per-step losses, counts, accuracies and gradients; the unroll holds one
+    logits tensor, not K shifted copies (the paper-scale evaluation's memory)."""
+    src, target = setup
+    batch = src.batch([0, 1, 2])
+    grads, results = [], []
+    for generic in (False, True):
+        model = random_drafter(target, seed=3)
+        model.causal_lm = not generic
+        labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t)
+        un = unroll(model, batch, K)
+        assert un.shared_logits == (not generic) and len(un.logits) == (K if generic else 1)
+        out = step_losses(model, un, batch, labels, [5.0 + k for k in range(K)])   # DDP-style denominators
+        weighted_loss(out[0], 0.8).backward()
+        results.append(out)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    (fast, slow) = results
+    for k in range(K):
+        torch.testing.assert_close(fast[0][k], slow[0][k], atol=1e-5, rtol=1e-5)
+        for i in (1, 2, 3):
+            assert int(fast[i][k]) == int(slow[i][k]), (k, i)
+    assert any(float(fast[0][k].detach()) != float(fast[0][0].detach()) for k in range(1, K))   # the steps differ
+    for name in grads[1]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_anchor_rows_slice_before_the_head(setup):
+    """With anchor rows (step-wise evaluation) the causal LM's head runs on R rows per step,
+    not on every position: the logits equal the full unroll's at those anchors."""
+    src, target = setup
+    model = random_drafter(target, seed=4)
+    ids = torch.cat([src.batch([0])["input_ids"][:, :40], src.batch([1])["input_ids"][:, :40]]).long()
+    batch, t = lm_batch(ids), ids.shape[1]
+    full = unroll(model, batch, K)
+    anchors = torch.tensor([3, 17, 30, t + 5, t + 20])          # flat rows b * T + t
+    some = unroll(model, batch, K, anchor_rows=anchors)
+    assert not some.shared_logits
+    for k in range(K):
+        assert some.logits[k].shape[:2] == (1, len(anchors)) and torch.equal(some.rows[k], anchors)
+        torch.testing.assert_close(some.logits[k][0], full.step_logits(k).reshape(-1, full.logits[0].shape[-1])[anchors],
+                                   atol=1e-5, rtol=1e-5)
+        assert torch.equal(some.valid[k][0], full.valid[k].flatten()[anchors])

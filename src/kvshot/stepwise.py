@@ -222,6 +222,8 @@ def chain_correct(drafter: Drafter, target, items: list[dict], aux_layers: tuple
         def pick(out, k: int, b: int, at: Tensor) -> Tensor:
             """Step k's logits at anchors `at` of sequence b (packed: found among the drafted rows)."""
             packed = out.rows[k] if out.rows else None
+            if out.shared_logits:   # a causal LM's step k at anchor t is its step 0 at t + k
+                return out.logits[0][b, at + k]
             if packed is None:
                 return out.logits[k][b, at]
             return out.logits[k][0, torch.searchsorted(packed, b * ids.shape[1] + at)]

@@ -74,6 +74,13 @@ class Unrolled:
     queries: list[list[Tensor]]  # per step, per KV attention: pre-RoPE normed query [B, H, T, D]
     rows: list[Tensor | None] = field(default_factory=list)      # per step: the logits' rows b * T + t (None: every anchor)
     anchors: list[Tensor | None] = field(default_factory=list)   # per step: packed rows' anchors t [1, R]
+    # a teacher-forced causal LM: logits[0] is step 0 at every position, and step k at anchor t
+    # is its row t + k, so the K steps share one [B, T, N] tensor instead of K shifted copies
+    shared_logits: bool = False
+
+    def step_logits(self, k: int) -> Tensor:
+        """Step k's logits in the unshared layout (a copy when shared: for tests and small batches)."""
+        return shift(self.logits[0], k) if self.shared_logits else self.logits[k]
 
 
 def at_rows(x: Tensor, rows: Tensor | None, n: int | Tensor, fill=0) -> Tensor:
@@ -150,12 +157,20 @@ def unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries:
     out = Unrolled([], [], [])
     if drafter.causal_lm and not own_tokens:
         # teacher-forced, step k at anchor t reads what step 0 reads at anchor t + k: one pass
-        logits0 = drafter.logits(drafter.step(state, shift(ids, 1), state.anchors + 1, 0))
+        hidden = drafter.step(state, shift(ids, 1), state.anchors + 1, 0)
+        if anchor_rows is None:
+            out.logits.append(drafter.logits(hidden))
+            out.shared_logits = True
+        else:   # the head only on the rows the anchors' steps read (a full-vocab head is the memory)
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            for k in range(steps):
+                at = (anchor_rows + k).clamp(max=b * t - 1)   # past the end: not valid, masked below
+                out.logits.append(drafter.logits(flat.index_select(0, at)[None]))
         for k in range(steps):
-            out.logits.append(shift(logits0, k))
-            out.valid.append(shift(loss_mask, k + 2, False))
-            out.rows.append(None)
-            out.anchors.append(None)
+            out.valid.append(shift(loss_mask, k + 2, False) if anchor_rows is None
+                             else at_rows(loss_mask, anchor_rows, k + 2, False))
+            out.rows.append(anchor_rows)
+            out.anchors.append(None if anchor_rows is None else (anchor_rows % t)[None])
         return out
     scoring_only = skip_unlabelled and not (own_tokens or keep_queries)
     rows = anchor_rows if anchor_rows is not None else labelled_rows(loss_mask, steps) if scoring_only else None
@@ -239,6 +254,8 @@ def step_losses(drafter: Drafter, un: Unrolled, batch: dict[str, Tensor], labels
                 denominators: list[float] | None = None):
     """Per step: soft cross-entropy to the target (sum over scored tokens / denominator, the
     local count by default), teacher-forced top-1 accuracy counts (`acc_k`, not alpha_k)."""
+    if un.shared_logits:
+        return shared_step_losses(drafter, un, labels, denominators)
     losses, correct, counts, acc_counts = [], [], [], []
     for k, logits in enumerate(un.logits):
         rows = un.rows[k] if un.rows else None
@@ -254,6 +271,27 @@ def step_losses(drafter: Drafter, un: Unrolled, batch: dict[str, Tensor], labels
         pred = drafter.d2t[top]
         correct.append(((pred == greedy) & valid).sum())
         acc_counts.append(valid.sum())
+    return losses, counts, correct, acc_counts
+
+
+def shared_step_losses(drafter: Drafter, un: Unrolled, labels: TargetLabels, denominators: list[float] | None):
+    """`step_losses` for shared logits: the soft cross-entropy once per position s (step 0 at s,
+    scored against the target at s + 1); step k sums it over s = t + k, i.e. over s >= k,
+    with step 0's masks at s (x_{s+2} an assistant token, the target's token at s + 1)."""
+    logits = un.logits[0]
+    ce, top = soft_cross_entropy(logits[:, :-1], labels.probs[:, 1:])   # the last position has no label
+    greedy = labels.argmax[:, 1:]
+    valid = un.valid[0][:, :-1]
+    mask = valid & drafter.t2d[greedy]
+    weighted, hit = ce * mask, (drafter.d2t[top] == greedy) & valid
+    losses, correct, counts, acc_counts = [], [], [], []
+    for k in range(len(un.valid)):
+        n = mask[:, k:].sum()
+        denom = denominators[k] if denominators is not None else n.clamp(min=1)
+        losses.append(weighted[:, k:].sum() / denom)
+        counts.append(n)
+        correct.append(hit[:, k:].sum())
+        acc_counts.append(valid[:, k:].sum())
     return losses, counts, correct, acc_counts
 
 
