@@ -75,7 +75,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     res = Path(args.results)
     target = load_target(res / "target/model", rt, cfg["target"]["attn_implementation"])
-    drafter = load_drafter(res / "drafters" / args.variant, rt.device).eval()
+    drafter = load_drafter(res / "drafters" / args.variant, rt.device, embed=target.model.embed_tokens.weight).eval()
     hf_draft = to_hf(drafter, target.config.max_position_embeddings, target.config._attn_implementation)
     steps = cfg["drafters"]["ttt_steps"]
     constant_drafts(hf_draft, steps)

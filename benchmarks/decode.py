@@ -62,7 +62,7 @@ def main() -> int:
     plain_generate(target, prompts[0], 8, eos)                                   # warm-up
     rows, ok, plain_ms = [], True, []
     for name in names:
-        drafter = load_drafter(res / "drafters" / name).eval()
+        drafter = load_drafter(res / "drafters" / name, embed=target.model.embed_tokens.weight).eval()
         a = aux if drafter.reads_aux_hidden else None
         spec = DraftSpec(depth=steps, topk=1)
         speculative_generate(target, drafter, prompts[0], 8, eos, a, spec)          # warm-up

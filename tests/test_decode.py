@@ -304,7 +304,7 @@ def test_chain_acceptance_equals_teacher_forced_unroll(world, variant):
         t = len(p) - 1
         for acc in res.accepted:
             lead = 0
-            while lead < K and int(drafter.d2t[un.logits[lead][0, t].argmax()]) == int(greedy[t + lead + 1]):
+            while lead < K and int(drafter.d2t[un.step_logits(lead)[0, t].argmax()]) == int(greedy[t + lead + 1]):
                 lead += 1
             assert acc == lead, (variant, i, t)
             compared += 1

@@ -94,7 +94,7 @@ def sglang_destination(name: str) -> str | None:
 
 
 def test_export_has_the_names_sglang_and_vllm_load(exported, eagle3_dir):
-    drafter = load_drafter(eagle3_dir)
+    drafter = load_drafter(eagle3_dir, need_embedding=False)   # the export reads no embedding
     tensors = load_file(str(exported / "model.safetensors"))
     assert sorted(tensors) == EAGLE3_TENSORS
     loaded = {sglang_destination(n) for n in tensors} - {None}
@@ -118,7 +118,7 @@ def test_export_has_the_names_sglang_and_vllm_load(exported, eagle3_dir):
 
 
 def test_export_config_is_a_llama_eagle3_config(exported, eagle3_dir, tiny):
-    drafter = load_drafter(eagle3_dir)
+    drafter = load_drafter(eagle3_dir, need_embedding=False)
     raw = json.loads((exported / "config.json").read_text())
     assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["model_type"] == "llama"
     assert raw["num_hidden_layers"] == 1 and raw["tie_word_embeddings"] is False
@@ -189,7 +189,8 @@ def test_the_dag_exports_the_eagle3_variant(tmp_path):
 def test_round_trip_gives_identical_logits(exported, eagle3_dir, world, tiny, tmp_path):
     out = tmp_path / "imported"
     assert main(["import", "--format", "eagle3", str(exported), str(out), "--target", str(tiny["model"])]) == 0
-    before, after = load_drafter(eagle3_dir), load_drafter(out)
+    embed = world["target"].model.embed_tokens.weight
+    before, after = load_drafter(eagle3_dir, embed=embed), load_drafter(out, embed=embed)
     assert after.cfg == before.cfg
     for name, tensor in before.state_dict().items():
         assert torch.equal(after.state_dict()[name], tensor), name
@@ -227,7 +228,8 @@ def test_an_imported_head_is_scored_by_stepwise_and_e2e_losslessly(exported, eag
                  "--target", str(tiny["model"]), "--out", str(drafter_dir)]) == 0
     assert json.loads((drafter_dir / "metrics.json").read_text())["stopped_by"] == "imported"
     assert json.loads((drafter_dir / "train_log.json").read_text()) == []   # the report reads it
-    original, imported = load_drafter(eagle3_dir), load_drafter(drafter_dir)
+    embed = world["target"].model.embed_tokens.weight
+    original, imported = load_drafter(eagle3_dir, embed=embed), load_drafter(drafter_dir, embed=embed)
     assert all(torch.equal(imported.state_dict()[n], t) for n, t in original.state_dict().items())
     index = str(tiny_features["eval"] / "index.json")
     cont = tmp_path / "continuations.json"
@@ -286,7 +288,7 @@ def test_kvshot_folder_is_the_documented_format(paradigm, tmp_path):
     assert raw["architectures"] == [f"KVShot{paradigm.capitalize()}Drafter"] and raw["qk_norm"] is True
     with safe_open(str(tmp_path / "d/model.safetensors"), framework="pt") as fh:
         assert set(fh.keys()) == documented_names(paradigm)
-    back = load_drafter(tmp_path / "d")
+    back = load_drafter(tmp_path / "d", embed=model.embed_tokens.weight)
     assert all(torch.equal(back.state_dict()[n], t) for n, t in model.state_dict().items())
 
 
@@ -311,7 +313,7 @@ def test_speculators_converts_loads_and_matches_kvshot_logits(exported, eagle3_d
     same target hidden states, tokens and positions: its logits are kvshot's."""
     from .speculators_env import run_script
 
-    drafter = load_drafter(eagle3_dir)
+    drafter = load_drafter(eagle3_dir, embed=world["target"].model.embed_tokens.weight)
     sample = world["src"].batch([3])
     n = sample["input_ids"].shape[1]
     # kvshot: anchor t reads x_{t+1} at position t+1; speculators takes that pairing as its input

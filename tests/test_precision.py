@@ -165,3 +165,30 @@ def test_stepwise_runs_an_fp32_drafter_on_a_bf16_target(tiny, drafter_world):
             assert chain_ok.shape == forced_ok.shape == (len(rows), K) and chain_ok.device.type == "cpu"
         result = stepwise(model, target, items, aux, K, 2, "cpu", bootstrap_samples=10, dtype=dtype)
         assert len(result["alpha"]) == K and all(0 <= a <= 1 for a in result["acc"])
+
+
+@pytest.mark.parametrize("paradigm", ["hidden", "hybrid", "standalone"])
+def test_e2e_drafts_in_the_training_precision(tiny, drafter_world, paradigm):
+    """Decoding with the bf16 runtime's precision: the drafter computes under bf16 autocast, as
+    in training and step-wise evaluation, while the target verifies in its own dtype; the
+    output is still the target's greedy text."""
+    from kvshot.decode import DraftSpec, plain_generate, speculative_generate
+
+    target = load_target(tiny["model"], tiny["rt"])
+    model = make(drafter_world, paradigm).eval()
+    src = drafter_world[0]
+    ids = src.tokens(0)["input_ids"][:12].long()[None]
+    aux = src.spec.aux_layers if model.reads_aux_hidden else None
+    seen = {"drafter": set(), "target": set()}
+    hooks = [model.lm_head.register_forward_hook(lambda m, i, o: seen["drafter"].add(o.dtype)),
+             target.lm_head.register_forward_hook(lambda m, i, o: seen["target"].add(o.dtype))]
+    try:
+        out = {p: speculative_generate(target, model, ids, 10, None, aux, DraftSpec(depth=K), precision=p)
+               for p in ("float32", "bfloat16")}
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen["drafter"] == {torch.float32, torch.bfloat16}   # one run each way
+    assert seen["target"] == {target.dtype}
+    plain = plain_generate(target, ids, 10, None).tokens
+    assert out["float32"].tokens == out["bfloat16"].tokens == plain

@@ -146,7 +146,10 @@ def test_save_load_and_to_hf_refuses_a_reduced_vocab(setup, tmp_path):
     src, target = setup
     model = random_drafter(target)
     model.save(tmp_path / "s")
-    loaded = load_drafter(tmp_path / "s").eval()
+    with pytest.raises(ValueError, match=r"s/model.safetensors: no embed_tokens.weight"):
+        load_drafter(tmp_path / "s")   # the folder holds no copy of the target's embedding
+    loaded = load_drafter(tmp_path / "s", embed=target.model.embed_tokens.weight).eval()
+    assert torch.equal(loaded.embed_tokens.weight, model.embed_tokens.weight)
     ids = src.batch([0])["input_ids"][:, :30].long()
     with torch.no_grad():
         assert torch.equal(unroll(loaded, lm_batch(ids), 2).step_logits(1), unroll(model, lm_batch(ids), 2).step_logits(1))

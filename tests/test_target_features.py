@@ -109,10 +109,18 @@ def test_loss_mask_marks_assistant_tokens(captured, tiny):
     assert masked.endswith("<|im_end|>") and "<|im_start|>" not in masked
 
 
-def test_online_source_matches_offline(tiny, captured, tmp_path):
+def test_online_source_matches_offline(tiny, captured, tmp_path, monkeypatch):
+    """Online capture tokenizes and reads the target's config, never its weights (at paper
+    scale: a booked GPU and 16 GB loaded for nothing); the online source then matches offline."""
+    import kvshot.features as features_mod
+
     cfg = copy.deepcopy(tiny["cfg"])
     cfg["features"]["mode"] = "online"
-    capture_split(cfg, tiny["rt"], str(tiny["train"]), str(tiny["model"]), str(tmp_path / "online"))
+    with monkeypatch.context() as m:
+        m.setattr(features_mod, "load_target", lambda *a, **k: pytest.fail("online capture loaded the target"))
+        index = capture_split(cfg, tiny["rt"], str(tiny["train"]), str(tiny["model"]), str(tmp_path / "online"))
+    assert index["hidden_size"] == open_features(captured[0]).index["hidden_size"]
+    assert index["feature_bytes_per_token"] == open_features(captured[0]).index["feature_bytes_per_token"]
     online = open_features(tmp_path / "online", tiny["rt"])
     offline = open_features(captured[0])
     assert online.index["bytes_per_token"] == 5  # tokens only: features are recomputed

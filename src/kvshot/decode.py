@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from .config import drafter_autocast
 from .drafters import Drafter
 from .drafters.skeleton import StepState
 
@@ -317,10 +318,11 @@ def _forward(target, ids: list[int], positions: Tensor, cache: DynamicCache, mas
              hidden: bool, device: torch.device, last_only: bool = False):
     """The decoder body (filling `cache`), then the LM head on the rows that are needed: a
     prefill needs only its last row (a 152k vocabulary over a whole prompt is large)."""
-    out = target.model(input_ids=torch.tensor([ids], device=device), position_ids=positions[None],
-                       attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=hidden)
-    h = out.last_hidden_state[0, -1:] if last_only else out.last_hidden_state[0]
-    return target.lm_head(h), out.hidden_states
+    with torch.autocast(device.type, enabled=False):   # the target in its own dtype, inside drafting's autocast
+        out = target.model(input_ids=torch.tensor([ids], device=device), position_ids=positions[None],
+                           attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=hidden)
+        h = out.last_hidden_state[0, -1:] if last_only else out.last_hidden_state[0]
+        return target.lm_head(h), out.hidden_states
 
 
 def _append(tokens: list[int], new: list[int], max_new_tokens: int, eos_token_id: int | None) -> tuple[int, str | None]:
@@ -334,14 +336,25 @@ def _append(tokens: list[int], new: list[int], max_new_tokens: int, eos_token_id
     return len(new), None
 
 
-@torch.inference_mode()   # no autograd bookkeeping at all: many small ops per round
 def speculative_generate(target, drafter: Drafter, input_ids: Tensor, max_new_tokens: int,
                          eos_token_id: int | None = None, aux_layers: Sequence[int] | None = None,
                          spec: DraftSpec | None = None, temperature: float = 0.0,
-                         generator: torch.Generator | None = None) -> DecodeResult:
+                         generator: torch.Generator | None = None, precision: str = "float32") -> DecodeResult:
     """Speculative decoding, batch size 1. `aux_layers`: HF hidden_states indices the drafter
     fuses (the features index's spec.aux_layers; None for a drafter that reads none);
-    the drafter reads the target KV of `drafter.cfg.kv_layers`. temperature 0: greedy."""
+    the drafter reads the target KV of `drafter.cfg.kv_layers`. temperature 0: greedy.
+    precision: the runtime dtype the drafter was trained and evaluated step-wise in
+    (`config.drafter_autocast`: bf16 autocast over its fp32 weights); one autocast region spans
+    the call, so each weight is cast once per call (autocast's cache), not once per round."""
+    with drafter_autocast(input_ids.device.type, precision):
+        return _speculative_generate(target, drafter, input_ids, max_new_tokens, eos_token_id, aux_layers, spec,
+                                     temperature, generator)
+
+
+@torch.inference_mode()   # no autograd bookkeeping at all: many small ops per round
+def _speculative_generate(target, drafter: Drafter, input_ids: Tensor, max_new_tokens: int,
+                          eos_token_id: int | None, aux_layers: Sequence[int] | None, spec: DraftSpec | None,
+                          temperature: float, generator: torch.Generator | None) -> DecodeResult:
     if input_ids.shape[0] != 1 or max_new_tokens < 1:
         raise ValueError(f"speculative_generate: batch size 1 and max_new_tokens >= 1, got "
                          f"{input_ids.shape[0]} and {max_new_tokens}")
@@ -349,7 +362,7 @@ def speculative_generate(target, drafter: Drafter, input_ids: Tensor, max_new_to
     if temperature > 0 and not spec.chain:
         raise ValueError("speculative sampling is implemented for chains only (DraftSpec.topk == 1)")
     device = input_ids.device
-    dtype = next(drafter.parameters()).dtype
+    dtype = drafter.compute_dtype()   # what the target's context is cast to (bf16 under autocast)
     kv_layers = list(drafter.cfg.kv_layers)
     seq = input_ids[0].tolist()
     res = DecodeResult(tokens=[], rounds=0)

@@ -163,7 +163,7 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: s
     if not items:
         raise DataError(f"{prompts}: no prompts for eval.e2e")
     target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
-    drafters = [load_drafter(d, rt.device).eval() for d in drafter_dirs]
+    drafters = [load_drafter(d, rt.device, embed=target.model.embed_tokens.weight).eval() for d in drafter_dirs]
     aux = tuple(read_json(features_index)["spec"]["aux_layers"]) if drafters[0].reads_aux_hidden else None
     n_new, eos = ecfg["max_new_tokens"], cont["eos_id"]
     modes = specs(cfg)
@@ -179,7 +179,7 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: s
         plain_generate(target, ids(it), 8, eos)
         for drafter in drafters:
             for spec in modes.values():
-                speculative_generate(target, drafter, ids(it), 8, eos, aux, spec)
+                speculative_generate(target, drafter, ids(it), 8, eos, aux, spec, precision=rt.dtype)
     start = time.time()
     variant = drafter_variant(drafter_dirs[0])
     baseline, runs = [], [{m: [] for m in modes} for _ in drafters]
@@ -187,7 +187,8 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: s
         baseline.append(plain_generate(target, ids(it), n_new, eos))
         for drafter, own in zip(drafters, runs):
             for m, spec in modes.items():
-                own[m].append(speculative_generate(target, drafter, ids(it), n_new, eos, aux, spec))
+                own[m].append(speculative_generate(target, drafter, ids(it), n_new, eos, aux, spec,
+                                                     precision=rt.dtype))
     ulps = ecfg.get("near_tie_ulps", NEAR_TIE_ULPS)
 
     def mode_summaries(by_mode: dict, base: list) -> dict:
@@ -218,6 +219,7 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: s
                      "seconds_per_token": sum(b.total_s for b in baseline) / max(1, sum(len(b.tokens) for b in baseline)),
                      **match_summary(reference, baseline_cut, target.dtype, ulps)},
         "target_attention": target.config._attn_implementation, "target_dtype": str(target.dtype).split(".")[-1],
+        "drafter_precision": rt.dtype,   # as in training and step-wise (`config.drafter_autocast`)
         "near_tie_ulps": ulps,
         "prompts": len(items), "max_new_tokens": n_new, "device": rt.device, "threads": torch.get_num_threads(),
         "timing": "medians over prompts after warm-up; tau and per-round times are totals over all rounds; "
@@ -255,7 +257,7 @@ def run_e2e_timing_stage(cfg: dict, rt: Runtime, reference_dirs: list[str], hybr
     aux_layers = tuple(read_json(features_index)["spec"]["aux_layers"])
     groups = {}
     for dirs in (reference_dirs, hybrid_dirs):
-        drafters = [load_drafter(d, rt.device).eval() for d in dirs]
+        drafters = [load_drafter(d, rt.device, embed=target.model.embed_tokens.weight).eval() for d in dirs]
         groups[drafter_variant(dirs[0])] = (dirs, drafters, aux_layers if drafters[0].reads_aux_hidden else None)
     if len(groups) != 2:
         raise DataError("e2e-timing: --reference and --hybrid name the same variant")
@@ -265,7 +267,7 @@ def run_e2e_timing_stage(cfg: dict, rt: Runtime, reference_dirs: list[str], hybr
     def decode(name: str, seed_index: int, it: dict, tokens: int) -> DecodeResult:
         _, drafters, aux = groups[name]
         ids = torch.tensor([it["prompt"]], device=rt.device)
-        return speculative_generate(target, drafters[seed_index], ids, tokens, eos, aux, chain)
+        return speculative_generate(target, drafters[seed_index], ids, tokens, eos, aux, chain, precision=rt.dtype)
 
     for it in items[: ecfg["warmup"]]:
         for name in names:

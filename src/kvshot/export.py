@@ -157,7 +157,7 @@ def export_eagle3(drafter_dir: str | Path, out_dir: str | Path, target_dir: str 
     depth under `aux_rule` (config.default_aux_layers; unless `aux_layers` are given), and the drafter is checked against it."""
     from .config import default_aux_layers
 
-    drafter = load_drafter(drafter_dir)
+    drafter = load_drafter(drafter_dir, need_embedding=False)   # the checkpoint holds no embedding
     check_exportable(drafter, f"{drafter_dir}/config.json")
     if dtype not in DTYPES:
         raise FormatError(f"--dtype {dtype}: one of {sorted(DTYPES)}")

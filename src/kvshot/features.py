@@ -22,7 +22,7 @@ from .integrity import file_record, verify_file
 from .io import atomic_dir, read_json, write_json
 from .shard_writer import ShardWriter
 from .progress import progress
-from .target import load_target, target_forward
+from .target import load_target, load_target_config, target_forward
 
 INDEX = "index.json"
 TOKEN_KEYS = ("input_ids", "loss_mask")
@@ -106,15 +106,17 @@ def tokenize_split(jsonl: str | Path, tokenizer, max_len: int) -> list[dict[str,
 def capture_split(cfg: dict, rt: Runtime, split_jsonl: str, target_dir: str, out_dir: str) -> dict:
     """The `capture_features` stage for one split."""
     fcfg = cfg["features"]
-    model = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
+    offline = fcfg["mode"] == "offline"
+    # online: the trainer runs the target; this stage only tokenizes, so it reads the config alone
+    model = load_target(target_dir, rt, cfg["target"]["attn_implementation"]) if offline else None
+    config = model.config if offline else load_target_config(target_dir)
     from .tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(target_dir)
-    spec = feature_spec(fcfg, model.config.num_hidden_layers)
+    spec = feature_spec(fcfg, config.num_hidden_layers)
     max_len = fcfg.get("max_len") or cfg["data"]["max_len"]
     samples = tokenize_split(split_jsonl, tokenizer, max_len)[: fcfg.get("max_samples") or None]
     lengths = [s["input_ids"].shape[0] for s in samples]
-    offline = fcfg["mode"] == "offline"
     start = time.perf_counter()
     with atomic_dir(out_dir) as tmp:
         groups = length_batches(lengths, fcfg["batch_tokens"])
@@ -129,9 +131,9 @@ def capture_split(cfg: dict, rt: Runtime, split_jsonl: str, target_dir: str, out
             "mode": fcfg["mode"],
             "target": str(target_dir),
             "spec": {"aux_layers": list(spec.aux_layers), "kv_layers": list(spec.kv_layers), "dtype": spec.dtype},
-            "hidden_size": model.config.hidden_size,
-            "num_key_value_heads": model.config.num_key_value_heads,
-            "head_dim": model.config.head_dim,
+            "hidden_size": config.hidden_size,
+            "num_key_value_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim,
             "pad_id": tokenizer.pad_token_id,
             "num_samples": len(samples),
             "tokens": tokens,
@@ -140,7 +142,7 @@ def capture_split(cfg: dict, rt: Runtime, split_jsonl: str, target_dir: str, out
             "bytes_per_token": writer.bytes / max(1, tokens),
             "bytes_per_token_by_tensor": {k: v / max(1, tokens) for k, v in writer.bytes_by_name.items()},
             # what caching every feature would cost per token (online mode pays target forwards instead)
-            "feature_bytes_per_token": feature_bytes_per_token(spec, model.config),
+            "feature_bytes_per_token": feature_bytes_per_token(spec, config),
             "capture_seconds": time.perf_counter() - start,   # the capture loop: forwards and writes
             "shards": writer.shards,
             # size and sha256 per shard: a reader checks a shard the first time it opens it

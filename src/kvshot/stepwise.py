@@ -449,7 +449,8 @@ def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_d
         protocols["natural"] = (read_continuations(natural)["items"], natural_out)
     target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
     drafter_dirs = [drafter_dirs] if isinstance(drafter_dirs, (str, Path)) else list(drafter_dirs)
-    drafters = [(drafter_seed(d), load_drafter(d, rt.device)) for d in drafter_dirs]
+    drafters = [(drafter_seed(d), load_drafter(d, rt.device, embed=target.model.embed_tokens.weight))
+                for d in drafter_dirs]
     drafter = drafters[0][1]
     aux = tuple(read_json(features_index)["spec"]["aux_layers"])
     ecfg = cfg["eval"]

@@ -46,6 +46,14 @@ def load_target(target_dir: str | Path, rt: Runtime, attn: str = "auto") -> Qwen
     return model.to(rt.device).eval()
 
 
+def load_target_config(target_dir: str | Path):
+    """The target's config alone (no weights): what online capture needs to describe the features."""
+    verify_folder(target_dir)
+    meta = read_json(Path(target_dir) / META_FILE)
+    weights = str(target_dir) if meta["source"] == "pretrain" else meta["name"]
+    return Qwen3Config.from_pretrained(weights, revision=meta.get("revision"))
+
+
 def rope_theta(config) -> float:
     """The target's RoPE base; KV-path drafters must rotate their queries the same way."""
     params = getattr(config, "rope_parameters", None) or {}

@@ -395,6 +395,10 @@ class StepState:
         return mask
 
 
+# frozen copies of the target's tensors: never saved (2.5 GB fp32 at Qwen3-8B); loading takes them from the target
+FROM_TARGET = ("embed_tokens.weight",)
+
+
 class Drafter(nn.Module):
     """Shared parts: frozen target embedding, decoder layers, final norm, draft-vocab head.
     A paradigm subclass says how the target's context enters (`begin`, `step`). There is no
@@ -457,7 +461,7 @@ class Drafter(nn.Module):
     def save(self, folder: str | Path, extra_files: dict[str, object] | None = None) -> None:
         with atomic_dir(folder) as tmp:
             self.cfg.save(tmp / "config.json")
-            save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if k not in FROM_TARGET},
                       str(tmp / "model.safetensors"))
             for name, obj in (extra_files or {}).items():
                 write_json(tmp / name, obj)
