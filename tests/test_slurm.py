@@ -1,7 +1,8 @@
-"""The SLURM path. Without a cluster: the paper DAG dry-run through profiles/slurm
-books what each job runs (8 GPUs x 8 CPUs for training, one GPU for the target's jobs, the CPU
-partition for CPU-only rules), and the sbatch options the executor plugin derives from those
-resources. With the single-node cluster of scripts/slurm_local.sh (CI starts it): the smoke DAG
+"""The SLURM path. Without a cluster: every target of the paper DAG (`all` and the optional
+ones) dry-run through profiles/slurm books what each job runs (one GPU per process it launches
+on one node: 8 GPUs x 8 CPUs for DDP training, one GPU for the other device jobs; the CPU
+partition and no GPU for CPU-only rules), and the sbatch options the executor plugin derives
+from those resources. With the single-node cluster of scripts/slurm_local.sh (CI starts it): the smoke DAG
 through `sbatch`, and a training job killed by `scancel` that resumes when resubmitted."""
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from kvshot.config import read_config
 from kvshot.launch import FREE_PORT_SHELL, accelerate_args, free_port, launcher_command, scaled_steps
 
 from .conftest import REPO
-from .test_envs import CPU_RULES, DEVICE_RULES, OPTIONAL_RULES, rule_envs
+from .test_envs import CPU_RULES, DEVICE_RULES, rule_envs
 from .test_pipeline import snakemake, workdir
 
 PROFILE = ("--profile", "profiles/slurm-test")
