@@ -8,12 +8,19 @@ with random weights, so only costs are reported) it measures, one JSON line per 
                   config's sequence length (2,048), one sequence, K TTT steps, AdamW step included
   online_features the target forward that captures a batch's features, against the drafter's step
   decode_round    per paradigm: a chain round's drafting and verify times (prompt of 512 tokens)
+  rule_cost       per paradigm (block-wise included), rows named as benchmarks/paper_shapes.py's:
+                  train_drafter/<p> (one rank's training step, online target forward included),
+                  evaluate/<p> (`train.evaluate`, one batch), eval_stepwise/<p> (`stepwise.chain_correct`
+                  on one batch of natural-protocol prefixes, one anchor row each): seconds, peak
+                  memory (CUDA; GB = 10^9 B, as paper_shapes) and ratios to the hidden paradigm, at
+                  --shape paper (T = 2,048, per-rank batch 1, 16 prefixes) or small (CPU, seconds)
   smoke_dag       the smoke DAG (config/smoke.yaml) with device cuda, in a scratch directory
 Everything runs under one wall-clock budget (--budget-s, default 450 s: within 8 minutes on an
 H200); a figure that fails or is out of time prints its line with "error" or "skipped".
 
     python benchmarks/gpu.py [--config config/paper.yaml] [--out results/benchmarks/gpu.jsonl]
     python benchmarks/gpu.py --dry     # CPU, tiny shapes, the same code paths (tests, CI)
+    python benchmarks/gpu.py --only-costs [--shape paper]   # config, online_features, rule_cost only
 
 --dry uses the smoke overlay's tiny target (config.yaml + smoke.yaml) at sequence length 16 on CPU in fp32: the
 training step runs under `sdpa` (flex_attention has no CPU backward: its loss runs forward
@@ -36,11 +43,17 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from kvshot.config import drafter_autocast, read_config
+from kvshot.blockwise import objective, training_forward
+from kvshot.checks import all_variants
+from kvshot.config import Runtime, drafter_autocast, feature_spec, read_config
 from kvshot.decode import DraftSpec, plain_generate, speculative_generate
 from kvshot.drafters.attention import pick_backend, use_attention
+from kvshot.features import INDEX, TOKEN_KEYS, open_features, pad_batch
+from kvshot.io import write_json
+from kvshot.shard_writer import ShardWriter
+from kvshot import stepwise, train
 from kvshot.target import target_forward
-from kvshot.train import build_variant
+from kvshot.train import build_variant, variant_config
 from kvshot.ttt import TTTUnroll, label_positions, step_losses, target_labels, weighted_loss
 from ttt import matmul_peak   # benchmarks/ttt.py: this script's folder is on sys.path
 
@@ -193,6 +206,167 @@ def smoke_dag(dry: bool, budget_s: float) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
+# ---------------------------------------------------------------- per-paradigm rule costs
+
+CPU_PEAK_NOTE = "n/a on CPU: torch's CPU allocator keeps no peak, and tracemalloc does not see its storage"
+GB = 1e9   # as benchmarks/paper_shapes.py: 10^9 bytes
+
+
+def cost_shape(shape: str) -> dict:
+    """The per-paradigm section's sizes. paper: one rank's work under config/paper.yaml, as
+    benchmarks/paper_shapes.py measures it with fake tensors (Qwen3-8B shapes, T =
+    drafters.train.max_len, the per-rank batch batch_size / num_processes for a training step
+    and for `train.evaluate`, eval.natural's batch of prefixes of max_prefix_len with their
+    rollout tokens for the step-wise natural protocol). small: the smoke target at a few
+    tokens, seconds on a CPU."""
+    if shape == "paper":
+        cfg = read_config([str(REPO / "config/config.yaml"), str(REPO / "config/paper.yaml")])
+        tc, ncfg = cfg["drafters"]["train"], cfg["eval"]["natural"]
+        per_rank = max(1, tc["batch_size"] // tc["num_processes"])
+        return {"arch": {k: v for k, v in QWEN3_8B.items() if k != "vocab_size"}, "vocab": QWEN3_8B["vocab_size"],
+                "seq_len": tc["max_len"], "train_batch": per_rank, "eval_batch": per_rank,
+                "stepwise_batch": ncfg["batch_size"], "prefix_len": ncfg["max_prefix_len"],
+                "rollout_tokens": ncfg["rollout_tokens"], "features": cfg["features"]}
+    cfg = read_config([str(REPO / "config/config.yaml"), str(REPO / "config/smoke.yaml")])
+    return {"arch": dict(cfg["target"]["arch"]), "vocab": cfg["tokenizer"]["vocab_size"], "seq_len": 32,
+            "train_batch": 1, "eval_batch": 1, "stepwise_batch": 4, "prefix_len": 24, "rollout_tokens": 8,
+            "features": cfg["features"]}
+
+
+def online_source(folder: Path, target, samples: int, seq: int, fcfg: dict, rt: Runtime):
+    """An online feature folder of random token sequences (the aux layers of config section
+    `fcfg`, every KV layer), read through kvshot.features as the trainer reads it: every batch
+    is a target forward."""
+    n = target.config.num_hidden_layers
+    spec = feature_spec({"aux_layers": fcfg.get("aux_layers"), "aux_rule": fcfg.get("aux_rule", "relative"),
+                         "kv_layers": "all", "dtype": rt.dtype}, n)
+    ids = torch.randint(3, target.config.vocab_size, (samples, seq), dtype=torch.int32)
+    rows = {"input_ids": ids, "loss_mask": torch.ones(samples, seq, dtype=torch.uint8)}
+    folder.mkdir(parents=True)
+    with ShardWriter(folder, list(range(samples)), [seq] * samples, samples * seq) as writer:
+        writer.add(list(range(samples)), {k: rows[k] for k in TOKEN_KEYS}, padded=True)
+    write_json(folder / INDEX, {"mode": "online", "target": "random", "pad_id": 0, "num_samples": samples,
+                                "spec": {"aux_layers": list(spec.aux_layers), "kv_layers": list(spec.kv_layers),
+                                         "dtype": spec.dtype},
+                                "shards": writer.shards, "samples": [writer.locations[i] for i in range(samples)]})
+    return open_features(folder, rt, model=target)
+
+
+def measured(fn, device: str) -> dict:
+    """fn() once to warm up (compilation, AdamW's state), then once timed: seconds, and on CUDA
+    the peak allocated over the timed call with what was resident, and the peak above it."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    first_s = time.perf_counter() - t0
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    resident = torch.cuda.memory_allocated() if device == "cuda" else 0
+    t0 = time.perf_counter()
+    extra = fn() or {}
+    sync(device)
+    out = {"seconds": time.perf_counter() - t0, "first_call_s": first_s, **extra}
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+        out |= {"peak_memory_gb": peak / GB, "peak_over_resident_gb": (peak - resident) / GB}
+    else:
+        out |= {"peak_memory_gb": None, "peak_memory": CPU_PEAK_NOTE}
+    return out
+
+
+def paradigm_costs(run: "Run", cfg: dict, shape: str, target, target_shape: tuple[dict, int], device: str,
+                   dtype: torch.dtype) -> None:
+    """Per paradigm (the first variant of each, block-wise ones included), at `shape`
+    (cost_shape): `train_drafter/<p>` one training step of one rank (the online target forward,
+    labels, the unroll, the losses, backward, clip, AdamW), `evaluate/<p>` `train.evaluate` on
+    one batch, `eval_stepwise/<p>` `stepwise.chain_correct` on one batch of the natural
+    protocol's prefixes (one anchor row each): time and peak memory, and the ratios to the
+    hidden paradigm (EAGLE-3). The rows are benchmarks/paper_shapes.py's, measured for real.
+    `target` is reused when target_shape, its (arch, vocab), is the shape's."""
+    size = cost_shape(shape)
+    rt = Runtime(device=device, dtype="bfloat16" if dtype == torch.bfloat16 else "float32", threads=1, seed=0)
+    if (size["arch"], size["vocab"]) != target_shape:   # `target` (arch, vocab) is another shape: build this one
+        target = random_target(size["arch"], size["vocab"], device, dtype)
+    dcfg, steps_k = cfg["drafters"], cfg["drafters"]["ttt_steps"]
+    head_w = target.lm_head.weight
+    paradigms: dict[str, str] = {}
+    for _, v in all_variants(cfg):
+        paradigms.setdefault(v["paradigm"], v["name"])
+    labels = {"shape": shape, "seq_len": size["seq_len"]}
+    base: dict[str, dict] = {}
+    folder = Path(tempfile.mkdtemp(prefix="kvshot-gpu-costs-"))
+    use_attention(dcfg.get("attention", "auto"))
+    try:
+        src = online_source(folder / "features", target, max(size["train_batch"], size["eval_batch"]),
+                            size["seq_len"], size["features"], rt)
+        rng = torch.Generator().manual_seed(0)
+        prefix, rollout = size["prefix_len"], max(size["rollout_tokens"], steps_k)
+        items = [{"conversation": i, "anchors": [prefix - 1],
+                  "prompt": torch.randint(3, size["vocab"], (prefix,), generator=rng).tolist(),
+                  "continuation": torch.randint(3, size["vocab"], (rollout,), generator=rng).tolist()}
+                 for i in range(size["stepwise_batch"])]
+        for paradigm, name in paradigms.items():
+            v = variant_config(cfg, name)
+            d2t = torch.arange(min(dcfg["draft_vocab_size"], size["vocab"]))
+            try:
+                model = build_variant(v, target.config, target.model.embed_tokens.weight, d2t, target).to(device)
+            except Exception as e:   # one paradigm's failure must not cost the others
+                traceback.print_exc(file=sys.stderr)
+                run.emit("rule_cost", row=f"*/{paradigm}", paradigm=paradigm, variant=name, **labels,
+                         error=f"{type(e).__name__}: {str(e)[:300]}")
+                continue
+            src.read_only(model.cfg.kv_layers, model.reads_aux_hidden)
+            steps, decay = objective(model, dcfg, v)
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95))
+            fwd = training_forward(model)
+
+            def train_once():
+                batch = src.batch(list(range(size["train_batch"])))
+                lab = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
+                with rt.autocast():
+                    loss = weighted_loss(step_losses(model, fwd(batch, steps), batch, lab)[0], decay)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, v["train"]["grad_clip"])
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return {"loss": float(loss.detach())}
+
+            def evaluate_once():
+                ev = train.evaluate(model, src, head_w, steps, size["eval_batch"], 1,
+                                    target=target if model.kv_attentions() else None, dtype=rt.dtype)
+                return {"tokens": int(sum(ev["tokens"]))}
+
+            def stepwise_once():
+                out = list(stepwise.chain_correct(model, target, items, src.spec.aux_layers, steps_k,
+                                                  size["stepwise_batch"], device, rt.dtype))
+                return {"anchors": sum(len(rows) for rows, _, _ in out)}
+
+            for rule, fn, sizes in (("train_drafter", train_once, {"sequences": size["train_batch"]}),
+                                    ("evaluate", evaluate_once, {"sequences": size["eval_batch"]}),
+                                    ("eval_stepwise", stepwise_once, {"prefixes": size["stepwise_batch"],
+                                                                      "prefix_len": prefix, "rollout_tokens": rollout})):
+                def row(fn=fn, rule=rule):
+                    out = measured(fn, device)
+                    if paradigm == "hidden":
+                        base[rule] = out
+                    ref = base.get(rule)
+                    if ref is not None:   # side by side with EAGLE-3's paradigm
+                        out["seconds_vs_hidden"] = out["seconds"] / ref["seconds"]
+                        if out.get("peak_over_resident_gb") is not None:
+                            out["peak_over_resident_vs_hidden"] = out["peak_over_resident_gb"] / ref["peak_over_resident_gb"]
+                    return out
+
+                run.figure("rule_cost", row, row=f"{rule}/{paradigm}", paradigm=paradigm, variant=name, **labels, **sizes)
+            model.train()
+            del model, opt, fwd, params
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        use_attention("auto")
+
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry", action="store_true", help="CPU, tiny shapes (tests)")
@@ -202,7 +376,12 @@ def main() -> int:
     ap.add_argument("--backends", default=None, help="comma-separated GPU backends (default flex,sdpa)")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--skip-dag", action="store_true")
+    ap.add_argument("--shape", choices=("small", "paper"), default=None,
+                    help="sizes of the per-paradigm rule_cost rows (default: small with --dry, else paper)")
+    ap.add_argument("--only-costs", action="store_true",
+                    help="config, online_features and the rule_cost rows only (a short device check)")
     args = ap.parse_args()
+    args.shape = args.shape or ("small" if args.dry else "paper")
     cfg = read_config(args.config or (["config/config.yaml", "config/smoke.yaml"] if args.dry else ["config/paper.yaml"]))
     run = Run(Path(args.out), args.budget_s)
     if not args.dry and not torch.cuda.is_available():
@@ -252,7 +431,7 @@ def main() -> int:
     for v in dcfg["variants"]:
         paradigms.setdefault(v["paradigm"], v)   # the first variant of each paradigm
     models = {}
-    for paradigm, v in paradigms.items():
+    for paradigm, v in (() if args.only_costs else paradigms.items()):
         d2t = torch.arange(min(dcfg["draft_vocab_size"], vocab))
         model = build_variant(v, target.config, target.model.embed_tokens.weight, d2t).to(device)
         models[paradigm] = model
@@ -285,12 +464,19 @@ def main() -> int:
                 "overhead_share": min(t_features) / (min(t_features) + step["step_s"]),
                 "paradigm": next(iter(models))}
 
-    run.figure("online_features_overhead", overhead)
+    if models:
+        run.figure("online_features_overhead", overhead)
     for paradigm, model in models.items():
         run.figure("decode_round", lambda: decode_round(target, model, aux, steps, device, prompt_len, new_tokens),
                    paradigm=paradigm)
-    del target, models, batch
-    if not args.skip_dag:
+    del models, batch
+    try:
+        paradigm_costs(run, cfg, args.shape, target, (arch, vocab), device, dtype)
+    except Exception as e:   # the setup (a target of the shape, the feature folder): one line, the rest go on
+        traceback.print_exc(file=sys.stderr)
+        run.emit("rule_cost", shape=args.shape, error=f"{type(e).__name__}: {str(e)[:300]}")
+    del target
+    if not args.skip_dag and not args.only_costs:
         run.figure("smoke_dag", lambda: smoke_dag(args.dry, run.deadline - time.monotonic()))
     return 0
 

@@ -282,3 +282,11 @@ def test_gpu_benchmark_dry_run(tmp_path):
     assert all(x["backward"] == (b == "sdpa") for (_, b), x in steps.items())   # no flex backward on CPU
     figures = {x["figure"] for x in lines}
     assert {"online_features", "online_features_overhead", "decode_round", "smoke_dag"} <= figures
+    # --dry runs the per-paradigm rows at --shape small: the rows of benchmarks/paper_shapes.py
+    costs = {x["row"]: x for x in lines if x["figure"] == "rule_cost"}
+    paradigms = ("hidden", "kv", "hybrid", "standalone", "block")
+    assert set(costs) == {f"{rule}/{p}" for rule in ("train_drafter", "evaluate", "eval_stepwise") for p in paradigms}
+    assert all(x["shape"] == "small" and x["seconds"] > 0 and x["peak_memory_gb"] is None for x in costs.values())
+    assert all(costs[f"eval_stepwise/{p}"]["anchors"] == costs[f"eval_stepwise/{p}"]["prefixes"] for p in paradigms)
+    assert all(costs[f"evaluate/{p}"]["tokens"] > 0 for p in paradigms)
+    assert costs["train_drafter/hidden"]["seconds_vs_hidden"] == 1.0 and "seconds_vs_hidden" in costs["evaluate/kv"]

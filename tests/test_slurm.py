@@ -1,7 +1,8 @@
-"""The SLURM path. Without a cluster: the paper DAG dry-run through profiles/slurm
-books what each job runs (8 GPUs x 8 CPUs for training, one GPU for the target's jobs, the CPU
-partition for CPU-only rules), and the sbatch options the executor plugin derives from those
-resources. With the single-node cluster of scripts/slurm_local.sh (CI starts it): the smoke DAG
+"""The SLURM path. Without a cluster: every target of the paper DAG (`all` and the optional
+ones) dry-run through profiles/slurm books what each job runs (one GPU per process it launches
+on one node: 8 GPUs x 8 CPUs for DDP training, one GPU for the other device jobs; the CPU
+partition and no GPU for CPU-only rules), and the sbatch options the executor plugin derives
+from those resources. With the single-node cluster of scripts/slurm_local.sh (CI starts it): the smoke DAG
 through `sbatch`, and a training job killed by `scancel` that resumes when resubmitted."""
 from __future__ import annotations
 
@@ -23,12 +24,12 @@ from kvshot.config import read_config
 from kvshot.launch import FREE_PORT_SHELL, accelerate_args, free_port, launcher_command, scaled_steps
 
 from .conftest import REPO
-from .test_envs import CPU_RULES, DEVICE_RULES, OPTIONAL_RULES, rule_envs
+from .test_envs import CPU_RULES, DEVICE_RULES, rule_envs
 from .test_pipeline import snakemake, workdir
 
 PROFILE = ("--profile", "profiles/slurm-test")
 PAPER_PROFILE = REPO / "profiles/slurm/config.yaml"
-TRAIN_RULES = {"train_drafter", "scaling_train", "plateau_train"}
+TRAIN_RULES = {"train_drafter", "scaling_train", "plateau_train", "blockwise_train"}   # DDP: 8 GPUs
 
 
 def cluster_up() -> bool:
@@ -64,14 +65,41 @@ def parse_dry_run(out: str) -> list[dict]:
     return jobs
 
 
+# Every target of the workflow, through the paper profile: `all` and the ones not behind it.
+# One dry run per group (a dry run of the paper DAG takes ~10 s); regenerate_data exists only
+# with data.regenerate.enabled, an overlay of its own.
+PAPER_TARGETS = ("all", "figures/scaling.pdf", "figures/blockwise.pdf", "results/export/eagle3",
+                 "results/plateau/claims.md")
+REGENERATE_TARGETS = ("regenerate_data",)
+REGENERATE_OVERLAY = "data:\n  regenerate:\n    enabled: true\n"
+GPU_PARTITION, CPU_PARTITION, CPUS_PER_GPU = "gpu", "cpu", 8
+
+
+def slurm_dry_run(wd, targets, *overlays) -> list[dict]:
+    proc = snakemake(wd, *targets, "-n", "-p", "--profile", "profiles/slurm",
+                     "--configfile", "config/paper.yaml", *overlays, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "warning" not in out.lower(), out[-3000:]
+    return parse_dry_run(out)
+
+
 @pytest.fixture(scope="module")
 def paper_dry_run(tmp_path_factory):
     wd = workdir(tmp_path_factory.mktemp("paper_slurm"))
-    proc = snakemake(wd, "all", "figures/scaling.pdf", "results/plateau/claims.md", "-n", "-p", "--profile", "profiles/slurm",
-                     "--configfile", "config/paper.yaml", timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "warning" not in out.lower(), out[-3000:]
-    return wd, parse_dry_run(out)
+    return wd, slurm_dry_run(wd, PAPER_TARGETS)
+
+
+@pytest.fixture(scope="module")
+def regenerate_dry_run(tmp_path_factory):
+    wd = workdir(tmp_path_factory.mktemp("paper_slurm_regenerate"))
+    (wd / "regenerate.yaml").write_text(REGENERATE_OVERLAY)
+    return wd, slurm_dry_run(wd, REGENERATE_TARGETS, "regenerate.yaml")
+
+
+@pytest.fixture(scope="module")
+def paper_envs(paper_dry_run):
+    """{rule: env file} of every rule under the paper config (the env depends on `device` only)."""
+    return rule_envs(paper_dry_run[0], "config/paper.yaml")
 
 
 class _Resources(dict):
@@ -100,35 +128,84 @@ def sbatch_options(job: dict) -> str:
     return get_submit_command(fake, params) + set_gres_string(fake)
 
 
-def test_paper_dry_run_books_gpus_cpus_and_partitions(paper_dry_run):
-    _, jobs = paper_dry_run
-    by_rule: dict[str, list[dict]] = {}
-    for job in jobs:
-        by_rule.setdefault(job["rule"], []).append(job)
-    assert len(by_rule["train_drafter"]) == 6 and len(by_rule["scaling_train"]) == 15 and len(by_rule["plateau_train"]) == 6
-    assert (DEVICE_RULES | CPU_RULES) - OPTIONAL_RULES <= set(by_rule) <= DEVICE_RULES | CPU_RULES
-    for job in jobs:
-        res = job["resources"]
-        assert "cpus_per_task" not in res, f"{job['rule']}: cpus_per_task would override cpus_per_gpu"
-        assert int(res["runtime"]) > 0 and int(res["mem_mb"]) > 0
-        if job["rule"] in CPU_RULES:
-            assert res["slurm_partition"] == "cpu" and "gpu" not in res and "cpus_per_gpu" not in res, job
+def sbatch_flags(sbatch: str) -> dict[str, str | None]:
+    """{flag: value} of an sbatch call: `--key=value`, `--key value`, `-k value`, bare flags None."""
+    words, flags, i = shlex.split(sbatch)[1:], {}, 0
+    while i < len(words):
+        word = words[i]
+        if "=" in word:
+            key, value = word.split("=", 1)
+        elif i + 1 < len(words) and not words[i + 1].startswith("-"):
+            key, value = word, words[i + 1]
+            i += 1
         else:
-            gpus = 8 if job["rule"] in TRAIN_RULES else 1
-            assert (res["slurm_partition"], res["gpu"], res["cpus_per_gpu"]) == ("gpu", str(gpus), "8"), job
-            sbatch = sbatch_options(job)
-            assert f"--gpus={gpus}" in sbatch and "--cpus-per-gpu=8" in sbatch and "--cpus-per-task" not in sbatch
-            assert "-p gpu" in sbatch, sbatch
-    cpu_job = sbatch_options(by_rule["prepare_data"][0])
-    assert "-p cpu" in cpu_job and "--gpus" not in cpu_job and "--cpus-per-task=1" in cpu_job
+            key, value = word, None
+        assert key not in flags, f"{key} twice in {sbatch}"
+        flags[key] = value
+        i += 1
+    return flags
 
 
-def test_paper_dry_run_gpu_rules_run_in_the_gpu_env(paper_dry_run):
-    wd, jobs = paper_dry_run
-    envs = rule_envs(wd, "config/paper.yaml")
+def launched_processes(shell: str) -> int:
+    """How many processes a job's command starts: `accelerate launch --num_processes N` (DDP), else 1."""
+    if not shell.startswith("accelerate launch "):
+        return 1
+    return int(re.search(r" --num_processes (\d+) ", shell).group(1))
+
+
+def assert_booked(job: dict, envs: dict[str, str | None]) -> None:
+    """A job books what its command uses: a device job (it loads the target or a drafter: on
+    CUDA in the paper config) one GPU per process it launches, on one node, in the GPU
+    partition and the GPU env; a CPU job no GPU, the CPU partition and the CPU env."""
+    rule, res = job["rule"], job["resources"]
+    assert rule in DEVICE_RULES | CPU_RULES, f"rule {rule}: add it to DEVICE_RULES or CPU_RULES (tests/test_envs.py)"
+    assert "cpus_per_task" not in res, f"{rule}: cpus_per_task would override cpus_per_gpu"
+    assert int(res["runtime"]) > 0 and int(res["mem_mb"]) > 0, job
+    flags = sbatch_flags(sbatch_options(job))
+    assert "--cpus-per-task" not in flags or "--cpus-per-gpu" not in flags, flags
+    if rule in DEVICE_RULES:
+        gpus = launched_processes(job["shell"])
+        assert envs[rule].endswith("/envs/gpu.yaml"), (rule, envs[rule])
+        assert (res.get("slurm_partition"), res.get("gpu"), res.get("nodes")) == (GPU_PARTITION, str(gpus), "1"), \
+            f"{rule} launches {gpus} process(es) on CUDA: {res}"
+        assert (flags["-p"], flags.get("--gpus"), flags.get("--nodes")) == (GPU_PARTITION, str(gpus), "1"), (rule, flags)
+        assert flags.get("--cpus-per-gpu") == str(CPUS_PER_GPU) and "--cpus-per-task" not in flags, (rule, flags)
+    else:
+        assert launched_processes(job["shell"]) == 1, job["shell"]
+        assert envs[rule].endswith("/envs/cpu.yaml"), (rule, envs[rule])
+        assert res.get("slurm_partition") == CPU_PARTITION and not {"gpu", "gres", "cpus_per_gpu"} & set(res), \
+            f"{rule} runs on CPU: {res}"
+        assert flags["-p"] == CPU_PARTITION and not {"--gpus", "--gres", "--cpus-per-gpu"} & set(flags), (rule, flags)
+        assert flags.get("--cpus-per-task") == "1" and flags.get("--ntasks") == "1", (rule, flags)
+
+
+def test_every_job_of_every_target_books_its_device(paper_dry_run, regenerate_dry_run, paper_envs):
+    """Every target through profiles/slurm: each job's resources and the sbatch options the
+    executor plugin derives from them match what its command launches, and between the two
+    dry runs every rule of the workflow is booked."""
+    booked: dict[str, set[str]] = {}
+    for name, (_, jobs) in (("paper", paper_dry_run), ("regenerate", regenerate_dry_run)):
+        for job in jobs:
+            assert_booked(job, paper_envs)
+        booked[name] = {j["rule"] for j in jobs}
+    every = set(paper_envs) - {"all"}
+    assert every == DEVICE_RULES | CPU_RULES
+    assert booked["paper"] == every - {"regenerate_data"}, every - booked["paper"]
+    assert "regenerate_data" in booked["regenerate"]
+    ddp = {j["rule"] for j in paper_dry_run[1] if launched_processes(j["shell"]) > 1}
+    assert ddp == TRAIN_RULES, ddp
+
+
+def test_paper_dry_run_job_counts(paper_dry_run):
+    _, jobs = paper_dry_run
+    count: dict[str, int] = {}
     for job in jobs:
-        wanted = "gpu.yaml" if "gpu" in job["resources"] else "cpu.yaml"
-        assert envs[job["rule"]].endswith(f"/envs/{wanted}"), (job["rule"], envs[job["rule"]])
+        count[job["rule"]] = count.get(job["rule"], 0) + 1
+    assert (count["train_drafter"], count["scaling_train"], count["plateau_train"]) == (6, 15, 6)
+    assert (count["blockwise_train"], count["blockwise_stepwise"], count["blockwise_e2e"]) == (8, 8, 8)   # 6 block + 2 remedies
+    assert count["export_eagle3"] == 1
+    cpu_job = sbatch_options(next(j for j in jobs if j["rule"] == "prepare_data"))
+    assert "-p cpu" in cpu_job and "--gpus" not in cpu_job and "--cpus-per-task=1" in cpu_job
 
 
 def test_paper_training_jobs_launch_ddp_on_a_run_time_port_with_their_runtime(paper_dry_run):
