@@ -128,6 +128,28 @@ def test_deeply_nested_json_is_one_line(tmp_path):
     assert line.startswith("kvshot train-tokenizer: error: ") and "nested too deeply" in line, line
 
 
+def test_deeply_nested_data_file_names_the_file_and_field_in_one_line(tmp_path):
+    """A damaged or hostile ShareGPT file (one record nested 100,000 deep): prepare-data's one
+    line names the file, the record and its field, and prints no traceback."""
+    deep = "[" * 100_000 + "]" * 100_000
+    data = tmp_path / "deep.json"
+    data.write_text('[{"id": "a", "conversations": [{"from": "human", "value": "hi"}]}, '
+                    '{"id": "b", "conversations": ' + deep + "}]")
+    overlay = tmp_path / "deep.yaml"
+    overlay.write_text(yaml.safe_dump({"data": {"sources": [{"kind": "sharegpt_file", "path": str(data)}]}}))
+    proc = _stage("prepare-data", "--config", str(REPO / "config/config.yaml"), "--config", str(REPO / "config/smoke.yaml"),
+                  "--config", str(overlay), "--out", str(tmp_path / "data"))
+    line = _last_line(proc)
+    assert line.startswith(f"kvshot prepare-data: error: {data}: record 1 (field 'conversations') is nested too deeply"), line
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": "a", "messages": ' + deep + "}\n")
+    from kvshot.data import DataError, read_jsonl
+
+    with pytest.raises(DataError, match=rf"{rows}:1: \(field 'messages'\) nested too deeply"):
+        read_jsonl(rows)
+
+
 def test_unwritable_output_is_one_line(tmp_path):
     line = _last_line(_stage("prepare-data", "--config", str(REPO / "config/config.yaml"),
                              "--config", str(REPO / "config/smoke.yaml"), "--out", "/sys/kvshot/data"))

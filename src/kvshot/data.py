@@ -159,6 +159,34 @@ def _cut_by_eof(decoder: json.JSONDecoder, buf: str, pos: int) -> bool:
                 or re.fullmatch(r"[.eE][-+]?", tail) is not None)
 
 
+def deep_field(text: str, pos: int, limit: int = 200) -> str:
+    """' (field NAME)': the top-level key of the JSON object at text[pos] whose value nests
+    past `limit` levels, found by a scan that does not recurse ('' when there is none)."""
+    depth, key, in_string, escaped, start = 0, None, False, False, 0
+    for i in range(pos, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+                if depth == 1 and text[i + 1: i + 40].lstrip().startswith(":"):
+                    key = text[start: i]
+        elif c == '"':
+            in_string, start = True, i + 1
+        elif c in "[{":
+            depth += 1
+            if depth > limit:
+                return f" (field {key!r})" if key is not None else ""
+        elif c in "]}":
+            depth -= 1
+            if depth <= 0:
+                return ""
+    return f" (field {key!r})" if key is not None and depth > limit else ""
+
+
 def iter_sharegpt_file(path: str | Path, stats: LoadStats, chunk_size: int = 1 << 20,
                        max_records: int | None = None) -> Iterator[list[dict]]:
     """Stream a (possibly truncated) JSON array of ShareGPT records without loading it whole."""
@@ -220,6 +248,8 @@ def iter_sharegpt_file(path: str | Path, stats: LoadStats, chunk_size: int = 1 <
                 continue
             try:
                 record, end = decoder.raw_decode(buf, pos)
+            except RecursionError:   # json's scanner recurses per level: a damaged or hostile record
+                raise fail(f"record {stats.read}{deep_field(buf, pos)} is nested too deeply to read") from None
             except json.JSONDecodeError as e:
                 if not _cut_by_eof(decoder, buf, pos):
                     raise fail(f"invalid JSON in record {stats.read} ({e.msg})") from None
@@ -512,6 +542,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 continue
             try:
                 row = json.loads(raw.decode("utf-8"))
+            except RecursionError:
+                text = raw.decode("utf-8", errors="replace")
+                raise DataError(f"{path}:{lineno}:{deep_field(text, 0)} nested too deeply to read") from None
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({_one_line(e)})") from None
             if (not isinstance(row, dict) or not isinstance(row.get("messages"), list)
