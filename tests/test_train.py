@@ -243,7 +243,11 @@ def test_training_lowers_the_loss_and_logs_diagnostics(tiny, tiny_features, tmp_
 
 
 def test_two_process_ddp_matches_one_process(tiny, tiny_features, tmp_path):
-    cfg = small_cfg(tiny, max_steps=3, batch_size=4, ckpt_every=100)
+    """The same global batches (length-grouped) on 1 and 2 processes: the same weights, the
+    same logged loss, loss_k and acc_k (over every process's sequences, not rank 0's), and the
+    same held-out curve and final evaluation (each process evaluating its share)."""
+    cfg = small_cfg(tiny, max_steps=3, batch_size=4, ckpt_every=100, log_every=1, eval_every=3, eval_batches=2,
+                    length_grouping=2)
     run(tiny, tiny_features, cfg, tmp_path / "one", "kv2")
     cfg_file = tmp_path / "cfg.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg))
@@ -257,3 +261,17 @@ def test_two_process_ddp_matches_one_process(tiny, tiny_features, tmp_path):
     a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
+    log_a = json.loads((tmp_path / "one/train_log.json").read_text())
+    log_b = json.loads((tmp_path / "two/train_log.json").read_text())
+    assert len(log_a) == len(log_b) == 3
+    for ra, rb in zip(log_a, log_b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4)
+        assert rb["loss_k"] == pytest.approx(ra["loss_k"], rel=1e-4)
+        assert rb["acc_k"] == pytest.approx(ra["acc_k"], abs=1e-9)
+    one = json.loads((tmp_path / "one/metrics.json").read_text())
+    (pa,), (pb,) = one["heldout_curve"], metrics["heldout_curve"]
+    assert pb["heldout_loss_k"] == pytest.approx(pa["heldout_loss_k"], rel=1e-4)
+    assert pb["heldout_acc_k"] == pytest.approx(pa["heldout_acc_k"], abs=1e-9)
+    assert metrics["eval"]["loss"] == pytest.approx(one["eval"]["loss"], rel=1e-4)
+    assert metrics["eval"]["tokens"] == one["eval"]["tokens"]
+    assert metrics["eval"]["query_cosine"] == pytest.approx(one["eval"]["query_cosine"], rel=1e-4)

@@ -16,16 +16,19 @@ from .integrity import content_digest, folder_digest
 
 # settings that do not change what is trained: a checkpoint made under other values resumes
 NOT_FINGERPRINTED = ("stop_margin_minutes",)
-# settings added after checkpoints existed: off, they leave the fingerprint as it was
-FINGERPRINTED_WHEN_ON = ("length_grouping",)
+
+
+def _trains_alike(key: str, value) -> bool:
+    """A setting that does not change what is trained: the margin, or length grouping off (0 or
+    1; added after checkpoints existed, so off it leaves their fingerprint as it was)."""
+    return key in NOT_FINGERPRINTED or (key == "length_grouping" and int(value or 0) <= 1)
 
 
 def fingerprint(v: dict, cfg: dict, rt: Runtime, train_dir: str, eval_dir: str, target_dir: str,
                 val_dir: str) -> str:
     """What a checkpoint must match to be resumed: the config this stage reads and the content
     of its inputs (a retrained target or recaptured features start afresh, at the same paths)."""
-    v = {**v, "train": {k: x for k, x in v["train"].items()
-                        if k not in NOT_FINGERPRINTED and (x or k not in FINGERPRINTED_WHEN_ON)}}
+    v = {**v, "train": {k: x for k, x in v["train"].items() if not _trains_alike(k, x)}}
     key = {"variant": v, "seed": cfg["seed"], "dtype": rt.dtype,
            "drafters": {k: cfg["drafters"][k] for k in ("ttt_steps", "step_decay", "draft_vocab_size")},
            "train": content_digest(Path(train_dir) / "index.json"), "eval": content_digest(Path(eval_dir) / "index.json"),
