@@ -264,7 +264,7 @@ def train_step(run: Run, logging: bool) -> Step:
     with GradientPositions(model, enabled=logging) as positions:
         with run.rt.autocast():   # bf16 runtime: bf16 compute over the fp32 parameters; losses in fp32
             un: Unrolled = run.ddp(batch, k_steps)
-            losses, counts, correct, acc_n = step_losses(model, un, batch, labels, denominators)
+            losses, _, correct, acc_n = step_losses(model, un, batch, labels, denominators)
             loss = weighted_loss(losses, run.decay)
         loss.backward()   # a non-finite loss stops below, before the update
     if step < int(run.v.get("kv_warmup_steps") or 0):   # hybrid-warm: no update outside the KV branch yet
