@@ -207,7 +207,8 @@ def test_kv_warmup_trains_the_hybrids_kv_branch_alone_first(tiny, tiny_features,
     from safetensors.torch import load_file
 
     from kvshot.config import ConfigError
-    from kvshot.train import KV_BRANCH, train_variant
+    from kvshot.train import train_variant
+    from kvshot.variants import KV_BRANCH
 
     cfg = block_cfg(tiny, eval_every=0)
     cfg["blockwise"]["remedies"] = [{"name": "warm", "paradigm": "hybrid", "layers": 1, "kv_warmup_steps": 2}]

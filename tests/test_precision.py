@@ -68,8 +68,8 @@ def test_bf16_runtime_trains_in_bf16_with_fp32_state(tiny, bf16_features, tmp_pa
     real = attention_backends.block_attention   # what the `block` backend calls (auto: CPU bf16)
     monkeypatch.setattr(attention_backends, "block_attention", lambda q, *a: seen.add(q.dtype) or real(q, *a))
     saved = []   # the checkpoint is removed once the drafter is saved: keep what was written
-    real_save = train_mod._save_checkpoint
-    monkeypatch.setattr(train_mod, "_save_checkpoint",
+    real_save = train_mod.save_checkpoint
+    monkeypatch.setattr(train_mod, "save_checkpoint",
                         lambda path, *a: (real_save(path, *a), saved.append(torch.load(path, weights_only=False))))
     cfg = one_variant_cfg(tiny, paradigm)
     out = tmp_path / "v"

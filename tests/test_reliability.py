@@ -444,7 +444,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_and_resumes_bit_identic
     import torch
     from safetensors.torch import load_file
 
-    import kvshot.train as train_mod
+    import kvshot.checkpoint as checkpoint_mod
 
     from .test_train import run, small_cfg
 
@@ -467,11 +467,11 @@ def test_kill_during_checkpoint_write_keeps_the_previous_and_resumes_bit_identic
         return real_replace(src, dst)
 
     monkeypatch.setattr(torch, "save", dying_save)
-    monkeypatch.setattr(train_mod.os, "replace", dying_replace)
+    monkeypatch.setattr(checkpoint_mod.os, "replace", dying_replace)
     with pytest.raises(_Killed):
         run(tiny, tiny_features, cfg, tmp_path / "out")
     monkeypatch.setattr(torch, "save", real_save)
-    monkeypatch.setattr(train_mod.os, "replace", real_replace)
+    monkeypatch.setattr(checkpoint_mod.os, "replace", real_replace)
     ckpt = tmp_path / "out.ckpt/checkpoint.pt"
     assert (tmp_path / "out.ckpt/checkpoint.tmp").exists() and not (tmp_path / "out").exists()
     assert torch.load(ckpt, weights_only=False)["progress"]["step"] == 2   # the previous one, intact

@@ -22,7 +22,8 @@ from .conftest import REPO
 def small_cfg(tiny, **train) -> dict:
     cfg = copy.deepcopy(tiny["cfg"])
     cfg["drafters"]["variants"] = [{"name": "hyb", "paradigm": "hybrid", "layers": 1},
-                                   {"name": "kv2", "paradigm": "kv", "layers": 2}]
+                                   {"name": "kv2", "paradigm": "kv", "layers": 2},
+                                   {"name": "sa", "paradigm": "standalone", "layers": 1}]
     cfg["scaling"]["variants"] = ["kv2"]
     cfg["drafters"]["train"].update({"max_steps": 6, "ckpt_every": 2, "batch_size": 2, "max_len": 48,
                                      "eval_batches": 1, "eval_every": 0, "plateau": None, **train})
@@ -56,8 +57,10 @@ def die_at_call(monkeypatch, call: int, exc: type[BaseException] = Killed) -> No
     monkeypatch.setattr(train_mod, "step_losses", dying)
 
 
-@pytest.mark.parametrize("name", ["hyb", "kv2"])
+@pytest.mark.parametrize("name", ["hyb", "kv2", "sa"])
 def test_kill_and_resume_is_bit_identical(tiny, tiny_features, tmp_path, monkeypatch, name):
+    """Also: the checkpoint holds no frozen tensor (the target's token embedding, 2.5 GB in
+    fp32 at Qwen3-8B); the resumed drafter takes it from the target again."""
     cfg = small_cfg(tiny)
     run(tiny, tiny_features, cfg, tmp_path / "whole", name)
 
@@ -67,6 +70,8 @@ def test_kill_and_resume_is_bit_identical(tiny, tiny_features, tmp_path, monkeyp
     assert not (tmp_path / "resumed").exists()
     saved = torch.load(tmp_path / "resumed.ckpt/checkpoint.pt", weights_only=False)
     assert saved["progress"]["step"] == 2
+    assert "embed_tokens.weight" not in saved["model"] and "embed_tokens.weight" in weights(tmp_path / "whole")
+    assert {"d2t", "t2d", "lm_head.weight"} <= set(saved["model"])
     monkeypatch.undo()
     metrics = run(tiny, tiny_features, cfg, tmp_path / "resumed", name)
     assert metrics["resumed_from"] == 2
@@ -75,6 +80,33 @@ def test_kill_and_resume_is_bit_identical(tiny, tiny_features, tmp_path, monkeyp
     log_a = json.loads((tmp_path / "whole/train_log.json").read_text())
     log_b = json.loads((tmp_path / "resumed/train_log.json").read_text())
     assert [r["loss"] for r in log_a] == [r["loss"] for r in log_b]
+
+
+def test_heldout_point_comes_after_the_steps_checkpoint(tiny, tiny_features, tmp_path, monkeypatch):
+    """At a step that is both an eval_every and a ckpt_every step the checkpoint is written
+    first: a held-out evaluation that dies there (an OOM) loses no training, and the rerun
+    evaluates that step before training on, ending as an uninterrupted run does."""
+    cfg = small_cfg(tiny, eval_every=2)   # checkpoints and held-out points at steps 2 and 4
+    whole = run(tiny, tiny_features, cfg, tmp_path / "whole")
+    real, calls = train_mod.heldout_point, {"n": 0}
+
+    def dying(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:   # step 4's
+            raise Killed
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train_mod, "heldout_point", dying)
+    with pytest.raises(Killed):
+        run(tiny, tiny_features, cfg, tmp_path / "out")
+    saved = torch.load(tmp_path / "out.ckpt/checkpoint.pt", weights_only=False)
+    assert saved["progress"]["step"] == 4 and [p["step"] for p in saved["progress"]["heldout"]] == [2]
+    monkeypatch.undo()
+    m = run(tiny, tiny_features, cfg, tmp_path / "out")
+    assert m["resumed_from"] == 4 and m["heldout_curve"] == whole["heldout_curve"]
+    assert [p["step"] for p in m["heldout_curve"]] == [2, 4, 6]
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "out")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_changed_config_does_not_resume(tiny, tiny_features, tmp_path, capsys):
@@ -243,7 +275,11 @@ def test_training_lowers_the_loss_and_logs_diagnostics(tiny, tiny_features, tmp_
 
 
 def test_two_process_ddp_matches_one_process(tiny, tiny_features, tmp_path):
-    cfg = small_cfg(tiny, max_steps=3, batch_size=4, ckpt_every=100)
+    """The same global batches (length-grouped) on 1 and 2 processes: the same weights, the
+    same logged loss, loss_k and acc_k (over every process's sequences, not rank 0's), and the
+    same held-out curve and final evaluation (each process evaluating its share)."""
+    cfg = small_cfg(tiny, max_steps=3, batch_size=4, ckpt_every=100, log_every=1, eval_every=3, eval_batches=2,
+                    length_grouping=2)
     run(tiny, tiny_features, cfg, tmp_path / "one", "kv2")
     cfg_file = tmp_path / "cfg.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg))
@@ -257,3 +293,47 @@ def test_two_process_ddp_matches_one_process(tiny, tiny_features, tmp_path):
     a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
+    log_a = json.loads((tmp_path / "one/train_log.json").read_text())
+    log_b = json.loads((tmp_path / "two/train_log.json").read_text())
+    assert len(log_a) == len(log_b) == 3
+    for ra, rb in zip(log_a, log_b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4)
+        assert rb["loss_k"] == pytest.approx(ra["loss_k"], rel=1e-4)
+        assert rb["acc_k"] == pytest.approx(ra["acc_k"], abs=1e-9)
+    one = json.loads((tmp_path / "one/metrics.json").read_text())
+    (pa,), (pb,) = one["heldout_curve"], metrics["heldout_curve"]
+    assert pb["heldout_loss_k"] == pytest.approx(pa["heldout_loss_k"], rel=1e-4)
+    assert pb["heldout_acc_k"] == pytest.approx(pa["heldout_acc_k"], abs=1e-9)
+    assert metrics["eval"]["loss"] == pytest.approx(one["eval"]["loss"], rel=1e-4)
+    assert metrics["eval"]["tokens"] == one["eval"]["tokens"]
+    assert metrics["eval"]["query_cosine"] == pytest.approx(one["eval"]["query_cosine"], rel=1e-4)
+
+
+def test_the_epoch_order_is_built_once_per_epoch(tiny, tiny_features, tmp_path, monkeypatch):
+    calls, real = [], torch.randperm
+    monkeypatch.setattr(torch, "randperm", lambda n, *a, **kw: calls.append(n) or real(n, *a, **kw))
+    m = run(tiny, tiny_features, small_cfg(tiny, max_steps=21, batch_size=4, ckpt_every=100, log_every=100),
+            tmp_path / "out")
+    assert m["train_samples"] == 40 and calls.count(40) == 3   # 10 steps an epoch: epochs 0, 1 and 2
+
+
+def test_a_step_that_logs_nothing_waits_on_the_device_once(tiny, tiny_features, tmp_path, monkeypatch):
+    """The trainer's own reads of tensor values (its NaN guards, the log's numbers): one per
+    step (the rest of the step's are the model's). Counted as the difference between 6 and 10
+    steps that log the first and the last step only."""
+    seen = {"n": 0}
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, **kw):
+            seen["n"] += sys._getframe(1).f_code.co_filename == train_mod.__file__
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    reads = []
+    for steps in (6, 10):
+        seen["n"] = 0
+        run(tiny, tiny_features, small_cfg(tiny, max_steps=steps, ckpt_every=100, log_every=100),
+            tmp_path / f"out{steps}", "kv2")
+        reads.append(seen["n"])
+    assert (reads[1] - reads[0]) / 4 == 1, reads

@@ -279,7 +279,7 @@ def import_eagle3(ckpt_dir: str | Path, target_dir: str | Path, out_dir: str | P
 def import_variant(cfg: dict, name: str, target_dir: str, features_dir: str, out_dir: str) -> dict:
     """The `train-drafter` stage for a variant whose weights come from a path: import, no
     training. The head must fuse the target layers the features hold (eval reads those)."""
-    from .train import variant_config
+    from .variants import variant_config
 
     v = variant_config(cfg, name)
     where = f"config: drafters.variants.{name}"

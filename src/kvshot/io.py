@@ -99,3 +99,20 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+class JsonLines:
+    """The live training log: one JSON record per line, flushed as training goes (`tail -f`);
+    rewritten from the checkpoint's records on resume, so it never holds steps that were undone."""
+
+    def __init__(self, path: Path, records: list[dict], enabled: bool = True):
+        self.path, self.enabled = path, enabled
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in records)
+
+    def append(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record) + "\n")

@@ -17,6 +17,7 @@ from .data import encode_prompt, read_jsonl, tokenize_conversation
 from .integrity import verify_folder, write_manifest
 from .io import atomic_dir, read_json, write_json
 from .progress import Progress
+from .schedule import lr_at
 from .tokenizer import load_tokenizer
 
 META_FILE = "kvshot_target.json"
@@ -108,14 +109,6 @@ def pack_blocks(token_lists: list[list[int]], sep_id: int, block_size: int) -> T
     if n == 0:
         raise ValueError(f"only {len(stream)} tokens: fewer than one block of {block_size}")
     return torch.tensor(stream[: n * block_size], dtype=torch.long).view(n, block_size)
-
-
-def lr_at(step: int, total: int, warmup: int, min_ratio: float) -> float:
-    """Linear warmup, then cosine down to min_ratio (a multiplier of the peak lr)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 @torch.no_grad()

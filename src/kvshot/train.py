@@ -5,30 +5,29 @@ parameters and optimizer state, or plain fp32. Given the job's runtime, training
 checkpoints and exits (code 75) before it, and the rerun resumes."""
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
 import math
-import os
 import random
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .blockwise import any_unroll, block_attention_diagnostics, block_key_share, is_block, objective, training_forward
-from .config import ConfigError, Runtime, all_variants, drafter_autocast
+from .blockwise import block_attention_diagnostics, block_key_share, is_block, objective, training_forward
+from .checkpoint import fingerprint, load_checkpoint, restore_checkpoint, save_checkpoint
+from .config import ConfigError, Runtime
 from .diagnostics import GradientPositions, attention_diagnostics, diagnostic_batches
-from .drafters import Drafter, DrafterConfig, build_drafter
+from .drafters import Drafter
 from .drafters.attention import use_attention
-from .drafters.standalone import init_from_target
 from .features import FeatureSource, open_features
-from .integrity import content_digest, folder_digest
-from .io import read_json, write_json
+from .heldout import all_sum, evaluate, heldout_point, plateaued
+from .io import JsonLines
 from .progress import Progress
-from .target import load_target, lr_at, rope_theta, target_queries
-from .ttt import Unrolled, label_positions, query_cosine, scored_tokens, step_losses, target_labels, weighted_loss
+from .schedule import epoch_order, lr_at, sample_lengths
+from .target import load_target
+from .ttt import Unrolled, label_positions, scored_tokens, step_losses, target_labels, weighted_loss
+from .variants import build_variant, draft_vocab, held_back, param_groups, variant_config
 
 
 def launcher_args(num_processes: int) -> list[str]:
@@ -38,117 +37,15 @@ def launcher_args(num_processes: int) -> list[str]:
             "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
-def variant_config(cfg: dict, name: str) -> dict:
-    """A variant's settings: the drafter defaults, its own entry, and its train overrides."""
-    dcfg = cfg["drafters"]
-    entries = {v["name"]: v for _, v in all_variants(cfg)}   # with the block variants and gate remedies
-    if name not in entries:
-        raise ConfigError(f"config: drafters.variants: no variant named {name!r} (have {sorted(entries)})")
-    v = copy.deepcopy(entries[name])
-    v["train"] = {**dcfg["train"], **v.get("train", {})}
-    if v["paradigm"] == "block":   # default: K mask slots after x_{t+1}, as far as the K-step chain drafts
-        v.setdefault("block_size", dcfg.get("block_size") or dcfg["ttt_steps"] + 1)
-    if v["paradigm"] != "standalone":   # the standalone LM starts from the target's layers and head anyway
-        v.setdefault("head_init", dcfg.get("head_init", "random"))
-    return v
-
-
-def draft_vocab(source: FeatureSource, size: int, vocab_size: int, samples: int | None = None) -> torch.Tensor:
-    """The `size` most frequent assistant-side tokens of the (first `samples`) train samples
-    (ties: lower id), as sorted target ids (d2t)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for i in range(samples or len(source)):
-        s = source.tokens(i)
-        counts += torch.bincount(s["input_ids"][s["loss_mask"].bool()].long(), minlength=vocab_size)
-    size = min(size, vocab_size)
-    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))[:size]
-    return torch.tensor(sorted(order), dtype=torch.long)
-
-
-def build_variant(v: dict, target_cfg, embed: torch.Tensor, d2t: torch.Tensor, target=None) -> Drafter:
-    """A fresh drafter for variant `v`. The standalone LM drafts over the full vocabulary and,
-    given the `target` model, starts from its first layers (then TTT distills it)."""
-    n_target = target_cfg.num_hidden_layers
-    depth, paradigm = v["layers"], v["paradigm"]
-    reads_kv = paradigm in ("kv", "hybrid") or (paradigm == "block" and v.get("context", "kv") == "kv")
-    kv_layers = v.get("kv_layers") or list(range(n_target - depth, n_target))  # the top target layers
-    if reads_kv and len(kv_layers) != depth:
-        raise ConfigError(f"config: drafters.variants.{v['name']}.kv_layers: {len(kv_layers)} layers for depth {depth}")
-    if paradigm == "standalone":
-        d2t = torch.arange(target_cfg.vocab_size)
-    dc = DrafterConfig(
-        paradigm=paradigm, hidden_size=target_cfg.hidden_size, num_layers=depth,
-        num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
-        head_dim=target_cfg.head_dim, intermediate_size=v.get("intermediate_size") or target_cfg.intermediate_size,
-        vocab_size=target_cfg.vocab_size, draft_vocab_size=len(d2t), rope_theta=rope_theta(target_cfg),
-        rms_norm_eps=target_cfg.rms_norm_eps, kv_layers=list(kv_layers) if reads_kv else [],
-        gate_shape=v.get("gate_shape", "scalar"), gate_init=float(v.get("gate_init", 0.5)),
-        qk_norm=bool(v.get("qk_norm", True)), block_size=int(v.get("block_size") or 0),
-        block_refine=int(v.get("refine_passes") or 0),
-        block_context=v.get("context", "kv"))
-    model = build_drafter(dc)
-    model.set_vocab(embed, d2t)
-    if paradigm == "standalone" and target is not None:
-        init_from_target(model, target)
-    elif v.get("head_init", "random") == "target" and target is not None:
-        init_head_from_target(model, target, d2t)
-    return model
-
-
-@torch.no_grad()
-def init_head_from_target(model: Drafter, target, d2t: torch.Tensor) -> None:
-    """Start the drafter's output norm and LM head from the target's (its rows for the draft
-    vocabulary), as EAGLE-1/2 reuse the target's head and the standalone LM starts from it:
-    the head need not be learned from scratch in a short training budget."""
-    model.lm_head.weight.copy_(target.lm_head.weight[d2t.to(target.lm_head.weight.device)].to(model.lm_head.weight))
-    model.norm.weight.copy_(target.model.norm.weight.to(model.norm.weight))
-
-
-KV_BRANCH = ("kv_attns.", "kv_norms.", "gate_logit")   # the hybrid's KV branch and its gate
-
-
-def held_back(model: Drafter, v: dict) -> list[torch.nn.Parameter]:
-    """The parameters a variant's kv_warmup_steps hold back (the hybrid-warm gate remedy):
-    everything outside the hybrid's KV branch, so that the branch learns alone at first."""
-    if not v.get("kv_warmup_steps"):
-        return []
-    if v["paradigm"] != "hybrid":
-        raise ConfigError(f"config: drafters.variants.{v['name']}.kv_warmup_steps: a hybrid setting "
-                          f"(paradigm {v['paradigm']} has no gated KV branch)")
-    return [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith(KV_BRANCH)]
-
-
 # ---------------------------------------------------------------- diagnostics
 
-def param_groups(model: Drafter) -> dict[str, list[torch.nn.Parameter]]:
-    """Groups for gradient norms; the KV path's drafter-side W_K/W_V stand alone."""
-    kv_modules = {id(attn) for _, attn in model.kv_attentions()}
-    kv_names = {f"{name}." for name, mod in model.named_modules() if id(mod) in kv_modules}
-    groups: dict[str, list] = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        prefix = next((k for k in kv_names if name.startswith(k)), None)
-        if prefix is not None:
-            g = "kv_wk_wv" if name[len(prefix):].startswith(("k_proj", "v_proj")) else "kv_query_out"
-        elif name.startswith("gate"):
-            g = "gate"
-        elif name.startswith("fc."):
-            g = "fusion"
-        elif name.startswith("lm_head"):
-            g = "lm_head"
-        else:
-            g = "body"
-        groups.setdefault(g, []).append(p)
-    return groups
-
-
 def grad_norms(groups: dict[str, list]) -> dict[str, float]:
-    out = {}
-    for g, params in groups.items():
-        sq = sum(float(p.grad.float().pow(2).sum()) for p in params if p.grad is not None)
-        out[g] = math.sqrt(sq)
-    return out
+    """Each group's gradient norm (one host sync for all of them)."""
+    sq = {g: [p.grad.double().pow(2).sum() for p in params if p.grad is not None] for g, params in groups.items()}
+    device = next((x[0].device for x in sq.values() if x), "cpu")
+    values = torch.stack([torch.stack(x).sum() if x else torch.zeros((), dtype=torch.float64, device=device)
+                          for x in sq.values()]).tolist()
+    return {g: math.sqrt(x) for g, x in zip(sq, values)}
 
 
 def kv_key_share(valid: list[torch.Tensor], anchors: list[torch.Tensor | None] | None = None) -> float:
@@ -163,49 +60,6 @@ def kv_key_share(valid: list[torch.Tensor], anchors: list[torch.Tensor | None] |
         num += float(((k + 1) / (t + k + 2))[v].sum())
         den += int(v.sum())
     return num / max(den, 1)
-
-
-# ---------------------------------------------------------------- evaluation
-
-@torch.no_grad()
-def evaluate(model: Drafter, source: FeatureSource, head_w: torch.Tensor, steps: int, batch_size: int,
-             max_batches: int, target=None, dtype: str = "float32") -> dict:
-    """Teacher-forced metrics per step on the eval split: loss_k, acc_k, and the query error.
-    Batches move to the drafter's device; it runs in the runtime `dtype`'s precision, as in training."""
-    model.eval()
-    from .features import batches
-
-    device = model.d2t.device
-    sums = {"loss": [0.0] * steps, "n": [0] * steps, "correct": [0] * steps, "acc_n": [0] * steps}
-    cos_sum, cos_n = [0.0] * steps, 0
-    kv = model.kv_attentions()
-    for i, batch in enumerate(batches(source, batch_size)):
-        if i >= max_batches:
-            break
-        batch = {k: v.to(device) for k, v in batch.items()}
-        labels = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
-        with drafter_autocast(device.type, dtype):
-            un = any_unroll(model, batch, steps, keep_queries=bool(kv) and target is not None)   # a block: block_unroll
-            losses, counts, correct, acc_n = step_losses(model, un, batch, labels)
-        for k in range(steps):
-            sums["loss"][k] += float(losses[k]) * int(counts[k])
-            sums["n"][k] += int(counts[k])
-            sums["correct"][k] += int(correct[k])
-            sums["acc_n"][k] += int(acc_n[k])
-        if un.queries:
-            layers = [l for l, _ in kv]
-            tq = target_queries(target, batch["input_ids"].long(), batch["attention_mask"], layers)
-            cos = query_cosine(un, tq, layers)
-            cos_sum = [a + b for a, b in zip(cos_sum, cos)]
-            cos_n += 1
-    model.train()
-    return {
-        "loss": [l / max(n, 1) for l, n in zip(sums["loss"], sums["n"])],
-        "acc": [c / max(n, 1) for c, n in zip(sums["correct"], sums["acc_n"])],
-        "acc_note": "teacher-forced top-1 agreement with the target's greedy token (acc_k), not alpha_k",
-        "tokens": sums["acc_n"],
-        "query_cosine": [c / cos_n for c in cos_sum] if cos_n else None,
-    }
 
 
 # ---------------------------------------------------------------- stopping before the job's limit
@@ -235,61 +89,8 @@ def stop_deadline(runtime_minutes: float | None, margin_minutes: float, started:
     return (process_start_time() if started is None else started) + 60 * (runtime_minutes - margin_minutes)
 
 
-# ---------------------------------------------------------------- training
-
-# settings that do not change what is trained: a checkpoint made under other values resumes
-_NOT_FINGERPRINTED = ("stop_margin_minutes",)
-
-
-def _fingerprint(v: dict, cfg: dict, rt: Runtime, train_dir: str, eval_dir: str, target_dir: str,
-                 val_dir: str) -> str:
-    """What a checkpoint must match to be resumed: the config this stage reads and the content
-    of its inputs (a retrained target or recaptured features start afresh, at the same paths)."""
-    v = {**v, "train": {k: x for k, x in v["train"].items() if k not in _NOT_FINGERPRINTED}}
-    key = {"variant": v, "seed": cfg["seed"], "dtype": rt.dtype,
-           "drafters": {k: cfg["drafters"][k] for k in ("ttt_steps", "step_decay", "draft_vocab_size")},
-           "train": content_digest(Path(train_dir) / "index.json"), "eval": content_digest(Path(eval_dir) / "index.json"),
-           "target": folder_digest(target_dir), "val": content_digest(Path(val_dir) / "index.json")}
-    if v["paradigm"] == "block":   # the block objective's position weights
-        key["block_position_decay"] = cfg["drafters"].get("block_position_decay")
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _set_aside(ckpt: Path, why: str) -> None:
-    """Move a checkpoint that must not be resumed out of the way (kept for inspection)."""
-    aside = ckpt.with_name(f"{ckpt.name}.{why}")
-    os.replace(ckpt, aside)
-    print(f"set aside {ckpt} as {aside.name} ({why}); training starts from step 0", flush=True)
-
-
-def _load_checkpoint(ckpt: Path, fp: str) -> dict | None:
-    """The checkpoint to resume from, or None: a missing, stale or unreadable one starts afresh."""
-    if not ckpt.exists():
-        return None
-    try:
-        saved = torch.load(ckpt, map_location="cpu", weights_only=False)   # wherever it was written
-        written_for = saved["progress"]["fingerprint"]
-    except Exception as exc:   # truncated or damaged: torch/pickle raise many kinds
-        print(f"{ckpt}: unreadable ({type(exc).__name__})", flush=True)
-        _set_aside(ckpt, "corrupt")
-        return None
-    if written_for != fp:
-        print(f"{ckpt}: written for other inputs or config", flush=True)
-        _set_aside(ckpt, "stale")
-        return None
-    return saved
-
-
 def _truncate(batch: dict[str, torch.Tensor], max_len: int) -> dict[str, torch.Tensor]:
     return {k: v[:, :max_len] for k, v in batch.items()}
-
-
-def _save_checkpoint(path: Path, model, opt, sched, progress: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "progress": progress}, tmp)
-    os.replace(tmp, path)   # a kill mid-save keeps the previous checkpoint
 
 
 def _any_rank(accel, *flags: bool) -> list[bool]:
@@ -300,54 +101,76 @@ def _any_rank(accel, *flags: bool) -> list[bool]:
     return [bool(x > 0) for x in total.tolist()]
 
 
-def plateaued(curve: list[dict], patience: int, min_delta: float, min_acc_delta: float) -> bool:
-    """Has training stopped improving on the validation split? True when none of the last
-    `patience` evaluations beat the best before them, neither in held-out loss by more than
-    `min_delta` (relative) nor in held-out acc_0 by more than `min_acc_delta` (absolute).
-    Both: the loss is mostly the target's own entropy, a floor the drafter cannot go under, so
-    it flattens (0.2-0.6% per 50 steps) while acc_0 still climbs (docs/paper-vs-kvshot.md)."""
-    if patience < 1 or len(curve) <= patience:
-        return False
-    before, last = curve[:-patience], curve[-patience:]
-    best_loss = min(p["heldout_loss"] for p in before)
-    best_acc = max(p["heldout_acc_k"][0] for p in before)
-    return (all(p["heldout_loss"] > best_loss * (1 - min_delta) for p in last)
-            and all(p["heldout_acc_k"][0] <= best_acc + min_acc_delta for p in last))
+# ---------------------------------------------------------------- training, phase by phase
+
+@dataclass
+class Run:
+    """One variant's training: what `setup` built, and `progress`, what a checkpoint saves."""
+    name: str
+    v: dict
+    rt: Runtime
+    accel: object
+    target: object
+    train_src: FeatureSource
+    eval_src: FeatureSource
+    val_src: FeatureSource
+    heldout_split: str
+    n: int                      # the train samples read
+    model: Drafter
+    head_w: torch.Tensor        # the target's LM head: the labels
+    groups: dict                # parameter groups for the logged gradient norms
+    waiting: list               # parameters kv_warmup_steps hold back
+    ddp: torch.nn.Module        # the forward the optimizer steps through (DDP-wrapped under accelerate)
+    steps_k: int
+    decay: float
+    params: list
+    opt: torch.optim.Optimizer
+    sched: object
+    ckpt: Path
+    progress: dict
+    saved_step: int | None      # the step of the checkpoint on disk a rerun would resume from
+    live: JsonLines
+    probe_batches: list
+    deadline: float | None
+    runtime_minutes: float | None
+    lengths: list[int] | None   # per train sample, for length-grouped batches
+    order: tuple[int, list[int]] | None = None   # (epoch, its sample order): built once per epoch
+    start: float = field(default_factory=time.time)
+    tokens: torch.Tensor | int = 0   # tokens this process trained on since it started (a device tensor)
+    steps_here: int = 0              # steps this process trained
+    bar: Progress | None = None
+
+    @property
+    def tc(self) -> dict:
+        return self.v["train"]
+
+    @property
+    def world(self) -> int:
+        return self.accel.num_processes
+
+    @property
+    def rank(self) -> int:
+        return self.accel.process_index
+
+    def no_good_state(self) -> str:
+        return (f"last good checkpoint: step {self.saved_step} at {self.ckpt}" if self.saved_step is not None
+                else "no checkpoint yet")
 
 
-def heldout_point(model: Drafter, source: FeatureSource, head_w: torch.Tensor, steps: int, decay: float,
-                  batch_size: int, batches: int, dtype: str, step: int) -> dict:
-    """One point of the held-out curve: the TTT objective and acc_k on the first validation batches."""
-    ev = evaluate(model, source, head_w, steps, batch_size, batches, None, dtype)
-    return {"step": step, "heldout_loss": float(weighted_loss(torch.tensor(ev["loss"]), decay)),
-            "heldout_loss_k": ev["loss"], "heldout_acc_k": ev["acc"]}
+@dataclass
+class Step:
+    """What one optimization step leaves for its log record."""
+    step: int
+    batch: dict
+    un: Unrolled
+    positions: GradientPositions
+    norms: dict | None
+    totals: list[float]   # summed over processes: the loss, loss_k, correct_k, acc_n_k
 
 
-class JsonLines:
-    """The live training log: one JSON record per line, flushed as training goes (`tail -f`);
-    rewritten from the checkpoint's records on resume, so it never holds steps that were undone."""
-
-    def __init__(self, path: Path, records: list[dict], enabled: bool = True):
-        self.path, self.enabled = path, enabled
-        if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "w", encoding="utf-8") as fh:
-                fh.writelines(json.dumps(r) + "\n" for r in records)
-
-    def append(self, record: dict) -> None:
-        if self.enabled:
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(record) + "\n")
-
-
-def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, target_dir: str,
-                  out_dir: str, runtime_minutes: float | None = None, val_dir: str | None = None) -> dict:
-    """Train one variant. runtime_minutes: the job's wall-clock limit; past it less
-    `stop_margin_minutes` (from process start) training checkpoints and raises StoppedForRuntime.
-    val_dir: the validation features the held-out curve and plateau stop read (the pipeline's
-    results/features/val, disjoint from the evaluation's conversations); None reads eval_dir's
-    instead, recorded as metrics `heldout_split: eval`. eval_dir: the final teacher-forced
-    metrics (metrics `eval`), which steer nothing."""
+def setup(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, target_dir: str, out_dir: str,
+          runtime_minutes: float | None, val_dir: str | None) -> Run:
+    """Build the drafter, open the features, make the optimizer, and resume a checkpoint."""
     from accelerate import Accelerator
 
     v = variant_config(cfg, name)
@@ -367,8 +190,11 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     heldout_split = "eval" if val_dir is None else "val"
     val_dir = eval_dir if val_dir is None else val_dir
     val_src = eval_src if val_dir == eval_dir else open_features(val_dir, rt, model=target)
-    head_w = target.lm_head.weight.detach()
     n = min(len(train_src), tc.get("train_samples") or len(train_src))   # the data-scaling knob
+    if tc["batch_size"] % world:
+        raise ConfigError(f"config: drafters.train.batch_size: {tc['batch_size']} is not divisible by {world} processes")
+    if n < tc["batch_size"]:
+        raise ConfigError(f"config: drafters.train.batch_size: {tc['batch_size']} is more than the {n} train samples")
     d2t = draft_vocab(train_src, dcfg["draft_vocab_size"], target.config.vocab_size, n)
     model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), d2t, target).to(rt.device)
     steps_k, decay = objective(model, dcfg, v)   # TTT: K steps, step_decay; a block: its positions, block_position_decay
@@ -382,156 +208,223 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     opt = torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"], betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_at(s, tc["max_steps"], tc["warmup_steps"], tc["min_lr_ratio"]))
-    groups = param_groups(model)
-    warm_steps, waiting = int(v.get("kv_warmup_steps") or 0), held_back(model, v)
 
     ckpt = Path(f"{out_dir}.ckpt") / "checkpoint.pt"
-    fp = _fingerprint(v, cfg, rt, train_dir, eval_dir, target_dir, val_dir)
+    fp = fingerprint(v, cfg, rt, train_dir, eval_dir, target_dir, val_dir)
     progress = {"step": 0, "epoch": 0, "cursor": 0, "log": [], "heldout": [], "fingerprint": fp,
                 "resumed_from": None, "world_size": world}
-    saved_step = None   # the step of the checkpoint on disk that this run would resume from
-    saved = _load_checkpoint(ckpt, fp) if rank == 0 else None
+    saved_step = None
+    saved = load_checkpoint(ckpt, fp) if rank == 0 else None
     if world > 1:   # rank 0 decides (and sets aside); every rank then loads the same file or none
         accel.wait_for_everyone()
         resume = _any_rank(accel, saved is not None)[0]
         saved = saved if rank == 0 else (torch.load(ckpt, map_location="cpu", weights_only=False) if resume else None)
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        sched.load_state_dict(saved["scheduler"])
-        torch.set_rng_state(saved["torch_rng"])
-        random.setstate(saved["python_rng"])
-        progress = saved["progress"]
+    if saved is not None:   # the model was built with the target's frozen tensors: the checkpoint holds the rest
+        progress = restore_checkpoint(saved, model, opt, sched)
         progress["resumed_from"] = saved_step = progress["step"]
         progress.pop("stopped_by", None)
         print(f"resuming {name} from step {progress['step']} ({ckpt})", flush=True)
-    ddp = training_forward(model) if world == 1 else torch.nn.parallel.DistributedDataParallel(training_forward(model))
     progress.setdefault("heldout", [])
+    ddp = training_forward(model) if world == 1 else torch.nn.parallel.DistributedDataParallel(training_forward(model))
     live = JsonLines(ckpt.parent / "train_log.jsonl",
                      sorted(progress["log"] + progress["heldout"], key=lambda r: r["step"]), enabled=rank == 0)
+    group = int(tc.get("length_grouping") or 0)
+    return Run(
+        name=name, v=v, rt=rt, accel=accel, target=target, train_src=train_src, eval_src=eval_src, val_src=val_src,
+        heldout_split=heldout_split, n=n, model=model, head_w=target.lm_head.weight.detach(),
+        groups=param_groups(model), waiting=held_back(model, v), ddp=ddp, steps_k=steps_k, decay=decay, params=params,
+        opt=opt, sched=sched, ckpt=ckpt, progress=progress, saved_step=saved_step, live=live,
+        # the validation split: held out like eval, and what training-time measurements read (not the eval anchors)
+        probe_batches=diagnostic_batches(val_src, tc.get("diagnostic_sequences", 4), tc["max_len"], rt.device),
+        deadline=deadline, runtime_minutes=runtime_minutes,
+        lengths=sample_lengths(train_src, n, tc["max_len"]) if group > 1 else None)
+
+
+def step_ids(run: Run) -> list[int]:
+    """This process's share of the next step's samples (a new epoch when the rest fills no batch)."""
+    p, bs = run.progress, run.tc["batch_size"]
+    if p["cursor"] + bs > run.n:
+        p["epoch"], p["cursor"] = p["epoch"] + 1, 0
+    if run.order is None or run.order[0] != p["epoch"]:
+        group = int(run.tc.get("length_grouping") or 0)
+        run.order = (p["epoch"], epoch_order(run.n, run.rt.seed, p["epoch"], bs, group, run.lengths))
+    return run.order[1][p["cursor"]: p["cursor"] + bs][run.rank::run.world]
+
+
+def train_step(run: Run, logging: bool) -> Step:
+    """One optimization step. The host waits on the device once (the NaN guards, with what
+    the log reads), and the processes exchange two small tensors."""
+    tc, model, world, step, k_steps = run.tc, run.model, run.world, run.progress["step"], run.steps_k
+    batch = {k: t.to(run.rt.device) for k, t in _truncate(run.train_src.batch(step_ids(run)), tc["max_len"]).items()}
+    labels = target_labels(batch["last_hidden"], run.head_w, model.d2t, positions=label_positions(batch))
+    scored = torch.stack([scored_tokens(batch, labels, model.t2d, k)[1].sum() for k in range(k_steps)]).float()
+    # DDP averages the processes' gradients: each divides by the global count over world
+    denominators = all_sum(scored, world).clamp(min=1) / world
+    # on a logging step: which positions the real backward sends gradient from (`diagnostics`)
+    with GradientPositions(model, enabled=logging) as positions:
+        with run.rt.autocast():   # bf16 runtime: bf16 compute over the fp32 parameters; losses in fp32
+            un: Unrolled = run.ddp(batch, k_steps)
+            losses, _, correct, acc_n = step_losses(model, un, batch, labels, denominators)
+            loss = weighted_loss(losses, run.decay)
+        loss.backward()   # a non-finite loss stops below, before the update
+    if step < int(run.v.get("kv_warmup_steps") or 0):   # hybrid-warm: no update outside the KV branch yet
+        for p in run.waiting:                              # (AdamW skips grad None)
+            p.grad = None
+    norms = grad_norms(run.groups) if logging else None
+    total_norm = torch.nn.utils.clip_grad_norm_(run.params, tc["grad_clip"])
+    loss = loss.detach()
+    local = torch.cat([(~torch.isfinite(loss)).float().view(1), loss.float().view(1),
+                       torch.stack(losses).detach().float(), torch.stack(correct).float(), torch.stack(acc_n).float()])
+    # gradients are all-reduced: every process has the same norm
+    totals = torch.cat([all_sum(local, world), total_norm.detach().float().view(1).to(local.device)]).tolist()
+    if totals[0] > 0:
+        raise FloatingPointError(f"train {run.name}: loss is {loss.item()} at step {step}; {run.no_good_state()}")
+    if not math.isfinite(totals[-1]):
+        raise FloatingPointError(f"train {run.name}: gradient norm is {totals[-1]} at step {step}; "
+                                 f"{run.no_good_state()}")
+    run.opt.step()
+    run.sched.step()
+    run.opt.zero_grad(set_to_none=True)
+    run.progress["cursor"] += tc["batch_size"]
+    run.progress["step"] = step + 1
+    run.tokens = run.tokens + batch["attention_mask"].sum()
+    run.steps_here += 1
+    return Step(step, batch, un, positions, norms, totals[1:-1])
+
+
+def log(run: Run, s: Step) -> None:
+    """A logging step's record (train_log, the live log, the log line): the loss and acc_k
+    over every process's sequences, and the bottleneck diagnostics."""
+    k, world, model = run.steps_k, run.world, run.model
+    loss, loss_k = s.totals[0] / world, [x / world for x in s.totals[1: 1 + k]]   # each process: its share
+    correct, acc_n = s.totals[1 + k: 1 + 2 * k], s.totals[1 + 2 * k:]
+    rec = {"step": s.step, "lr": run.sched.get_last_lr()[0], "loss": loss, "loss_k": loss_k,
+           "acc_k": [c / max(a, 1) for c, a in zip(correct, acc_n)],
+           "grad_norm": s.norms, "kv_key_share": ((block_key_share(s.un.valid, s.un.anchors, model.cfg.block_size)
+                                                   if is_block(model) else kv_key_share(s.un.valid, s.un.anchors))
+                                                  if model.kv_attentions() else None)}
+    rec.update(s.positions.summary())
+    with run.rt.autocast():   # own-key attention mass and hybrid gate share on the fixed held-out batches
+        rec.update(block_attention_diagnostics(model, s.batch, k) if is_block(model)
+                   else attention_diagnostics(model, run.probe_batches or s.batch, k))
+    if hasattr(model, "gate"):
+        g = model.gate().detach()
+        rec["gate"] = {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max())}
+    run.progress["log"].append(rec)
+    run.live.append(rec)
+    tok_s = int(run.tokens) * world / max(time.time() - run.start, 1e-9)
+    run.bar.set_postfix(loss=round(loss, 4), acc0=round(rec["acc_k"][0], 3), lr=rec["lr"], tok_s=round(tok_s))
+    # the loss log, one flushed line per log_every steps (progress lines fill gaps over 30 s)
+    run.bar.write(f"train {run.name}: step {s.step + 1}/{run.tc['max_steps']} loss {loss:.4f} "
+                  f"acc0 {rec['acc_k'][0]:.3f} lr {rec['lr']:.3g} tokens/s {tok_s:.0f}")
+
+
+def heldout_due(run: Run) -> bool:
+    """An eval_every step without its held-out point (also one resumed from the checkpoint
+    written just before that point: a crash in the evaluation loses no training)."""
+    every, p = run.tc.get("eval_every") or 0, run.progress
+    return bool(every) and p["step"] > 0 and p["step"] % every == 0 and \
+        not (p["heldout"] and p["heldout"][-1]["step"] == p["step"])
+
+
+def evaluate_heldout(run: Run) -> bool:
+    """A point of the held-out curve, each process on its share of the batches; True when the
+    plateau rule stops training (every process decides alike on the same all-reduced numbers)."""
+    tc, step = run.tc, run.progress["step"]
+    point = heldout_point(run.model, run.val_src, run.head_w, run.steps_k, run.decay, tc["batch_size"],
+                          tc["eval_batches"], run.rt.dtype, step, rank=run.rank, world=run.world)
+    run.progress["heldout"].append(point)
+    run.live.append(point)
+    run.bar.write(f"train {run.name}: step {step} held-out loss {point['heldout_loss']:.4f} "
+                  f"acc0 {point['heldout_acc_k'][0]:.3f}")
+    plateau = tc.get("plateau")
+    return bool(plateau) and plateaued(run.progress["heldout"], plateau["patience"], plateau["min_delta"],
+                                       plateau["min_acc_delta"])
+
+
+def checkpoint(run: Run) -> None:
+    if run.rank == 0:
+        save_checkpoint(run.ckpt, run.model, run.opt, run.sched, run.progress)
+    run.saved_step = run.progress["step"]
+    run.accel.wait_for_everyone()
+
+
+def stop_for_time(run: Run) -> str | None:
+    """'runtime' past the job's deadline (checkpoint and raise StoppedForRuntime), 'max_minutes'
+    past the training budget (finish with the steps done), on any process; else None."""
+    now = time.time()
+    over_budget, over_runtime = _any_rank(run.accel, now - run.start > 60 * run.tc["max_minutes"],
+                                          run.deadline is not None and now > run.deadline)
+    return "runtime" if over_runtime else "max_minutes" if over_budget else None
+
+
+def stop_for_runtime(run: Run) -> None:
+    run.progress["stopped_by"] = "runtime"
+    checkpoint(run)
+    run.bar.close()
+    msg = (f"train {run.name}: stopped at step {run.progress['step']} of {run.tc['max_steps']}, "
+           f"{run.tc.get('stop_margin_minutes', 0)} min before the job's {run.runtime_minutes} min runtime; "
+           f"checkpoint {run.ckpt}; a rerun resumes from it")
+    if run.rank == 0:
+        print(msg, flush=True)
+    raise StoppedForRuntime(msg)
+
+
+def finish(run: Run, out_dir: str) -> dict:
+    """The final teacher-forced evaluation (every process its share), metrics.json and the
+    saved drafter; the checkpoint goes."""
+    seconds, p, tc, model = time.time() - run.start, run.progress, run.tc, run.model
     plateau = tc.get("plateau") or {}
-    eval_every = tc.get("eval_every") or 0
-
-    def no_good_state() -> str:
-        return f"last good checkpoint: step {saved_step} at {ckpt}" if saved_step is not None else "no checkpoint yet"
-
-    bs = tc["batch_size"]
-    if bs % world:
-        raise ConfigError(f"config: drafters.train.batch_size: {bs} is not divisible by {world} processes")
-    start, tokens_seen = time.time(), 0
-    bar = Progress(total=tc["max_steps"], initial=progress["step"], desc=f"train {name}", unit="step",
-                   disable=rank != 0)
-    # the validation split: held out like eval, and what training-time measurements read (not the eval anchors)
-    probe_batches = diagnostic_batches(val_src, tc.get("diagnostic_sequences", 4), tc["max_len"], rt.device)
-    model.train()
-    while progress["step"] < tc["max_steps"]:
-        step = progress["step"]
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(rt.seed * 1_000_003 + progress["epoch"]))
-        if progress["cursor"] + bs > n:
-            progress["epoch"], progress["cursor"] = progress["epoch"] + 1, 0
-            continue
-        ids = order[progress["cursor"]: progress["cursor"] + bs].tolist()[rank::world]
-        batch = {k: t.to(rt.device) for k, t in _truncate(train_src.batch(ids), tc["max_len"]).items()}
-        labels = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
-        local = torch.tensor([float(scored_tokens(batch, labels, model.t2d, k)[1].sum()) for k in range(steps_k)])
-        denominators = (accel.reduce(local.to(accel.device), "sum").cpu().clamp(min=1) / world).tolist()
-        logging = step % tc["log_every"] == 0 or step + 1 == tc["max_steps"]
-        # on a logging step: which positions the real backward sends gradient from (`diagnostics`)
-        with GradientPositions(model, enabled=logging) as positions:
-            with rt.autocast():   # bf16 runtime: bf16 compute over the fp32 parameters; losses in fp32
-                un: Unrolled = ddp(batch, steps_k)
-                losses, counts, correct, acc_n = step_losses(model, un, batch, labels, denominators)
-                loss = weighted_loss(losses, decay)
-            bad = accel.reduce(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=accel.device), "sum")
-            if float(bad) > 0:
-                raise FloatingPointError(f"train {name}: loss is {loss.item()} at step {step}; {no_good_state()}")
-            loss.backward()
-        if step < warm_steps:   # hybrid-warm: no update outside the KV branch yet (AdamW skips grad None)
-            for p in waiting:
-                p.grad = None
-        norms = grad_norms(groups) if logging else None
-        total_norm = torch.nn.utils.clip_grad_norm_(params, tc["grad_clip"])
-        if not torch.isfinite(total_norm):   # gradients are all-reduced: every rank sees the same norm
-            raise FloatingPointError(f"train {name}: gradient norm is {float(total_norm)} at step {step}; "
-                                     f"{no_good_state()}")
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        progress["cursor"] += bs
-        progress["step"] = step + 1
-        tokens_seen += int(batch["attention_mask"].sum())
-        if logging:
-            rec = {"step": step, "lr": sched.get_last_lr()[0], "loss": float(loss.detach()) / world,
-                   "loss_k": [float(l.detach()) / world for l in losses],
-                   "acc_k": [int(c) / max(int(a), 1) for c, a in zip(correct, acc_n)],
-                   "grad_norm": norms, "kv_key_share": ((block_key_share(un.valid, un.anchors, model.cfg.block_size)
-                                                         if is_block(model) else kv_key_share(un.valid, un.anchors))
-                                                        if model.kv_attentions() else None)}
-            rec.update(positions.summary())
-            with rt.autocast():   # own-key attention mass and hybrid gate share on the fixed held-out batches
-                rec.update(block_attention_diagnostics(model, batch, steps_k) if is_block(model)
-                           else attention_diagnostics(model, probe_batches or batch, steps_k))
-            if hasattr(model, "gate"):
-                g = model.gate().detach()
-                rec["gate"] = {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max())}
-            progress["log"].append(rec)
-            live.append(rec)
-            tok_s = tokens_seen * world / max(time.time() - start, 1e-9)
-            bar.set_postfix(loss=round(rec["loss"], 4), acc0=round(rec["acc_k"][0], 3), lr=rec["lr"], tok_s=round(tok_s))
-            # the loss log, one flushed line per log_every steps (progress lines fill gaps over 30 s)
-            bar.write(f"train {name}: step {step + 1}/{tc['max_steps']} loss {rec['loss']:.4f} "
-                      f"acc0 {rec['acc_k'][0]:.3f} lr {rec['lr']:.3g} tokens/s {tok_s:.0f}")
-        bar.update(1)
-        if eval_every and progress["step"] % eval_every == 0:   # the held-out curve (every rank: same numbers)
-            point = heldout_point(model, val_src, head_w, steps_k, decay, tc["batch_size"], tc["eval_batches"],
-                                  rt.dtype, progress["step"])
-            progress["heldout"].append(point)
-            live.append(point)
-            bar.write(f"train {name}: step {progress['step']} held-out loss {point['heldout_loss']:.4f} "
-                      f"acc0 {point['heldout_acc_k'][0]:.3f}")
-            if plateau and plateaued(progress["heldout"], plateau["patience"], plateau["min_delta"],
-                                     plateau["min_acc_delta"]):
-                progress["stopped_by"] = "plateau"
-                break
-        if progress["step"] % tc["ckpt_every"] == 0 and progress["step"] < tc["max_steps"]:
-            if rank == 0:
-                _save_checkpoint(ckpt, model, opt, sched, progress)
-            saved_step = progress["step"]
-            accel.wait_for_everyone()
-        if progress["step"] >= tc["max_steps"]:
-            break
-        now = time.time()
-        over_budget, over_runtime = _any_rank(accel, now - start > 60 * tc["max_minutes"],
-                                              deadline is not None and now > deadline)
-        if over_runtime:
-            progress["stopped_by"] = "runtime"
-            if rank == 0:
-                _save_checkpoint(ckpt, model, opt, sched, progress)
-            accel.wait_for_everyone()
-            bar.close()
-            msg = (f"train {name}: stopped at step {progress['step']} of {tc['max_steps']}, "
-                   f"{tc.get('stop_margin_minutes', 0)} min before the job's {runtime_minutes} min runtime; "
-                   f"checkpoint {ckpt}; a rerun resumes from it")
-            if rank == 0:
-                print(msg, flush=True)
-            raise StoppedForRuntime(msg)
-        if over_budget:   # the training budget: finish (eval, save) with the steps done
-            progress["stopped_by"] = "max_minutes"
-            break
-    bar.close()
-    seconds = time.time() - start
-    metrics = {"variant": name, "paradigm": v["paradigm"], "layers": v["layers"], "steps": progress["step"],
-               "stopped_by": progress.get("stopped_by", "max_steps"), "seed": rt.seed, "train_samples": n,
-               "heldout_curve": progress["heldout"], "heldout_split": heldout_split, "plateau_rule": plateau or None,
-               "resumed_from": progress["resumed_from"], "world_size": world, "train_seconds": seconds,
-               "train_tokens_per_s": tokens_seen * world / max(seconds, 1e-9),
-               "parameters": sum(p.numel() for p in params), "draft_vocab_size": len(model.d2t),
-               "dtype": rt.dtype, "device": rt.device}
-    if rank == 0:
-        metrics["eval"] = evaluate(model, eval_src, head_w, steps_k, tc["batch_size"], tc["eval_batches"],
-                                   target if model.kv_attentions() else None, rt.dtype)
-        model.save(out_dir, {"metrics.json": metrics, "train_log.json": progress["log"], "variant.json": v})
-        shutil.copyfile(live.path, Path(out_dir) / "train_log.jsonl")   # the live log, training and held-out lines
-        shutil.rmtree(ckpt.parent, ignore_errors=True)   # the drafter is saved: nothing left to resume
-    accel.wait_for_everyone()
+    metrics = {"variant": run.name, "paradigm": run.v["paradigm"], "layers": run.v["layers"], "steps": p["step"],
+               "stopped_by": p.get("stopped_by", "max_steps"), "seed": run.rt.seed, "train_samples": run.n,
+               "heldout_curve": p["heldout"], "heldout_split": run.heldout_split, "plateau_rule": plateau or None,
+               "resumed_from": p["resumed_from"], "world_size": run.world, "train_seconds": seconds,
+               "train_tokens_per_s": int(run.tokens) * run.world / max(seconds, 1e-9),
+               "parameters": sum(x.numel() for x in run.params), "draft_vocab_size": len(model.d2t),
+               "dtype": run.rt.dtype, "device": run.rt.device}
+    metrics["eval"] = evaluate(model, run.eval_src, run.head_w, run.steps_k, tc["batch_size"], tc["eval_batches"],
+                               run.target if model.kv_attentions() else None, run.rt.dtype,
+                               rank=run.rank, world=run.world)
+    if run.rank == 0:
+        model.save(out_dir, {"metrics.json": metrics, "train_log.json": p["log"], "variant.json": run.v})
+        shutil.copyfile(run.live.path, Path(out_dir) / "train_log.jsonl")   # the live log, training and held-out lines
+        shutil.rmtree(run.ckpt.parent, ignore_errors=True)   # the drafter is saved: nothing left to resume
+    run.accel.wait_for_everyone()
     return metrics
+
+
+def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, target_dir: str,
+                  out_dir: str, runtime_minutes: float | None = None, val_dir: str | None = None) -> dict:
+    """Train one variant. runtime_minutes: the job's wall-clock limit; past it less
+    `stop_margin_minutes` (from process start) training checkpoints and raises StoppedForRuntime.
+    val_dir: the validation features the held-out curve and plateau stop read (the pipeline's
+    results/features/val, disjoint from the evaluation's conversations); None reads eval_dir's
+    instead, recorded as metrics `heldout_split: eval`. eval_dir: the final teacher-forced
+    metrics (metrics `eval`), which steer nothing."""
+    run = setup(cfg, rt, name, train_dir, eval_dir, target_dir, out_dir, runtime_minutes, val_dir)
+    tc, p = run.tc, run.progress
+    run.bar = Progress(total=tc["max_steps"], initial=p["step"], desc=f"train {name}", unit="step",
+                       disable=run.rank != 0)
+    run.model.train()
+    while True:   # after each step: its checkpoint, then its held-out point, then the stops
+        if heldout_due(run) and evaluate_heldout(run):
+            p["stopped_by"] = "plateau"
+            break
+        if p["step"] >= tc["max_steps"]:
+            break
+        if run.steps_here:   # each attempt trains at least one step
+            stop = stop_for_time(run)
+            if stop == "runtime":
+                stop_for_runtime(run)
+            if stop == "max_minutes":   # the training budget: finish (eval, save) with the steps done
+                p["stopped_by"] = "max_minutes"
+                break
+        logging = p["step"] % tc["log_every"] == 0 or p["step"] + 1 == tc["max_steps"]
+        s = train_step(run, logging)
+        if logging:
+            log(run, s)
+        run.bar.update(1)
+        if p["step"] % tc["ckpt_every"] == 0 and p["step"] < tc["max_steps"]:
+            checkpoint(run)
+    run.bar.close()
+    return finish(run, out_dir)
