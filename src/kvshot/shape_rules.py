@@ -194,18 +194,26 @@ class PaperShapes:
             list(chain_correct(model, self.target, items, self.spec.aux_layers, steps, batch, "cpu", self.rt.dtype))
         return rows[0]
 
-    def e2e_rows(self, name: str, prompt: int, new_tokens: int) -> list[Row]:
-        """eval_e2e: batch-1 speculative decoding, chain and tree (`e2e.specs`). Drafted tokens
-        are fake argmaxes (token 0, the target's too): every draft is accepted."""
+    def e2e_rows(self, name: str, new_tokens: int, modes: tuple[str, ...] = ("chain", "tree")) -> list[Row]:
+        """eval_e2e: batch-1 speculative decoding from a prefix of the natural protocol's longest
+        length, chain and tree (`e2e.specs`). Drafted tokens are fake argmaxes (token 0, the
+        target's too): every draft is accepted (tau = depth + 1, the fewest rounds per token).
+        FLOPs per token leave out the prefill (a 1-token call's FLOPs)."""
         rows: list[Row] = []
         with self.meter:
             _, model = self.drafter(name)
             model.eval()
-        ids = torch.ones(1, prompt, dtype=torch.long)
+        ids = torch.ones(1, self.cfg["eval"]["natural"]["max_prefix_len"], dtype=torch.long)
         aux = self.spec.aux_layers if model.reads_aux_hidden else None
         for mode, spec in specs(self.cfg).items():
-            with self._measure(rows, f"eval_e2e {mode}", name, "token", new_tokens):
+            if mode not in modes:
+                continue
+            prefill: list[Row] = []
+            with self._measure(prefill, "prefill", name, "call", 1):
+                speculative_generate(self.target, model, ids, 1, None, aux, spec)
+            with self._measure(rows, f"eval_e2e {mode}", name, "token", new_tokens - 1):
                 speculative_generate(self.target, model, ids, new_tokens, None, aux, spec)
+            rows[-1].tflop -= prefill[0].tflop
         return rows
 
     # ------------------------------------------------------------ the target's own rules
@@ -218,8 +226,11 @@ class PaperShapes:
         ecfg, ncfg = self.cfg["eval"], self.cfg["eval"]["natural"]
         stub = SimpleNamespace(eos_token_id=None, pad_token_id=0)   # no EOS: every generation runs its length
         prompt = [1] * ecfg["max_prompt_len"]
-        with self._measure(rows, "target_continuations", "prompt, batch 1", "token", new_tokens):
+        with self._measure(rows, "target_continuations prefill", "batch 1", "prompt", 1):
+            greedy_continuations(self.target, stub, [prompt], 1, "cpu")
+        with self._measure(rows, "target_continuations decode", "batch 1", "token", new_tokens - 1):
             greedy_continuations(self.target, stub, [prompt], new_tokens, "cpu")
+        rows[-1].tflop -= rows[-2].tflop   # the tokens after the first: the prefill left out
         prompts = [[1] * ncfg["max_prefix_len"]] * ncfg["batch_size"]
         with self._measure(rows, "target_continuations natural", f"batch {ncfg['batch_size']}", "anchor",
                            ncfg["batch_size"]):
