@@ -42,7 +42,7 @@ def test_meter_counts_live_bytes_and_what_autograd_saves():
         del y
         assert w.grad.shape == w.shape
         assert m.live == 4 * (256 * 512 + 2 * 512 * 1024)   # x, w, w.grad (the loss was a temporary)
-    flops = m.flops.get_total_flops()
+    flops = m.flops
     assert flops == 2 * 256 * 512 * 1024 * 2   # forward x @ w, backward x.T @ grad (x needs none)
 
 
@@ -71,7 +71,7 @@ def test_meter_flops_of_a_qwen3_forward_match_the_formula():
     h, f, d, n, kv = 64, 192, 16, 4, 2
     per_layer = h * n * d * 2 + h * kv * d * 2 + 3 * h * f   # q, o; k, v; the MLP
     attention = 4 * b * n * t * t * d                        # scores and values, dense
-    assert m.flops.get_total_flops() == 3 * (2 * b * t * per_layer + attention)
+    assert m.flops == 3 * (2 * b * t * per_layer + attention)
 
 
 # ---------------------------------------------------------------- the paper's rules

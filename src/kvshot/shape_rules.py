@@ -128,11 +128,9 @@ class PaperShapes:
     def _measure(self, rows: list, rule: str, what: str, per: str, units: float):
         """Measure the enclosed call: peak over it (with what is resident), its FLOPs."""
         m, start = self.meter, time.perf_counter()
-        m.flops = type(m.flops)(display=False)
         with cuda_like_attention(), m.measuring():
-            m.reset_peak()
             yield
-        rows.append(Row(rule, what, m.peak / GB, m.flops.get_total_flops() / 1e12, per, units,
+        rows.append(Row(rule, what, m.peak / GB, m.flops / 1e12, per, units,
                         time.perf_counter() - start))
 
     # ------------------------------------------------------------ training

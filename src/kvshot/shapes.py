@@ -10,9 +10,10 @@ real masks the meter is given, not on guesses; only a value read from a fake flo
 
 It counts, per op output, the bytes of each new storage (real or fake) until the storage is
 freed: `live` and `peak` are what a caching-free allocator would hold, a lower bound on a
-CUDA run's reserved memory (no allocator rounding or fragmentation). FLOPs come from
-`torch.utils.flop_counter` (matmuls, convolutions, attention kernels; elementwise ops are
-not counted, as MFU conventions do not count them).
+CUDA run's reserved memory (no allocator rounding or fragmentation). FLOPs (`flops`) come
+from `torch.utils.flop_counter`'s formulas per op (matmuls, convolutions, attention kernels;
+elementwise ops are not counted, as MFU conventions do not count them); its FlopCounterMode
+is not used: its module hooks fail on some block drafters' graphs.
 """
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import (FlopCounterMode, register_flop_formula, sdpa_backward_flop_count,
-                                      sdpa_flop_count)
+from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
@@ -52,7 +52,7 @@ def worst_scalar(t: torch.Tensor):
 
 class ShapeMeter(TorchDispatchMode):
     """Float tensors fake, integer/bool tensors real; live and peak bytes of every storage the
-    enclosed code allocates (`live`, `peak`), FLOPs through `flops` (a FlopCounterMode)."""
+    enclosed code allocates (`live`, `peak`) and the FLOPs of its ops (`flops`)."""
 
     def __init__(self):
         super().__init__()
@@ -60,7 +60,7 @@ class ShapeMeter(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._bytes: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.flops = FlopCounterMode(display=False)
+        self.flops = 0
         self.worst_cases: dict[str, int] = {}   # data-dependent ops answered by the worst case
 
     # ------------------------------------------------------------ memory
@@ -113,10 +113,15 @@ class ShapeMeter(TorchDispatchMode):
             if all(not t.dtype.is_floating_point for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)):
                 out = func(*args, **kwargs)
         self._track(out)
+        formula = flop_registry.get(func.overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
         return out
 
     @contextlib.contextmanager
     def measuring(self):
-        """The meter and its FLOP counter, both active."""
-        with self, self.flops:
+        """The meter, its peak and FLOPs from here."""
+        self.reset_peak()
+        self.flops = 0
+        with self:
             yield self
