@@ -1,0 +1,93 @@
+"""Peak memory per rank and FLOPs of every GPU rule of config/paper.yaml at its real shapes
+(Qwen3-8B bf16 target, T = 2,048, K = 7, draft vocabulary 32k, 8 DDP ranks), measured on a
+CPU by running the real kvshot code with fake float tensors (`kvshot.shapes`,
+`kvshot.shape_rules`), and the GPU-hours those FLOPs imply at an assumed MFU.
+
+    python benchmarks/paper_shapes.py                      # every rule and variant (~10 min)
+    python benchmarks/paper_shapes.py --only train --variants kv-d1 standalone
+
+GB are 10^9 bytes. GPU-hours = FLOPs / (MFU x peak) / 3600: not measured on a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from kvshot.config import read_config  # noqa: E402
+from kvshot.shape_rules import PaperShapes, Row  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PEAK_TFLOPS = 989.0   # H100 SXM dense bf16
+MFU = 0.40            # assumed, as docs/paper-scale.md: 396 TFLOP/s effective
+GPU_GB = 80.0         # the memory of the GPU the SLURM profile books (H100 80 GB)
+PARTS = ("train", "stepwise", "e2e", "target")
+
+
+def measure(ps: PaperShapes, variants: list[str], parts: tuple[str, ...], e2e_tokens: int,
+            e2e_modes: tuple[str, ...] = ("chain", "tree")) -> list[Row]:
+    rows: list[Row] = []
+    for name in variants:
+        if "train" in parts:
+            rows += ps.train_rows(name)
+        if "stepwise" in parts:
+            rows.append(ps.stepwise_row(name))
+        if "e2e" in parts:
+            rows += ps.e2e_rows(name, e2e_tokens, e2e_modes)
+    if "target" in parts:
+        rows += ps.target_rows(e2e_tokens)
+    return rows
+
+
+def table(rows: list[Row], gpu_gb: float = GPU_GB) -> str:
+    lines = [f"| rule | variant / path | peak GB per rank | TFLOP per unit | unit | over {gpu_gb:.0f} GB |",
+             "|---|---|---:|---:|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.rule} | {r.what} | {r.peak_gb:.1f} | {r.tflop_per:.3g} | {r.per} | "
+                     f"{'**yes**' if r.peak_gb > gpu_gb else ''} |")
+    return "\n".join(lines)
+
+
+def training_hours(rows: list[Row], cfg: dict, mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS) -> list[tuple]:
+    """(variant, TFLOP per step per rank, steps, GPU-h): every rank runs the measured step."""
+    tc = cfg["drafters"]["train"]
+    out = []
+    for r in rows:
+        if r.rule == "train_drafter":
+            flops = r.tflop_per * 1e12 * tc["num_processes"] * tc["max_steps"]
+            out.append((r.what, r.tflop_per, tc["max_steps"], flops / (mfu * peak_tflops * 1e12) / 3600))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", nargs="+", default=[str(ROOT / "config/config.yaml"), str(ROOT / "config/paper.yaml")])
+    ap.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS))
+    ap.add_argument("--variants", nargs="+", default=None, help="default: every variant of the config")
+    ap.add_argument("--e2e-tokens", type=int, default=16, help="new tokens per decoding call measured")
+    ap.add_argument("--e2e-modes", nargs="+", choices=("chain", "tree"), default=["chain", "tree"])
+    ap.add_argument("--gpu-gb", type=float, default=GPU_GB)
+    args = ap.parse_args(argv)
+    cfg = read_config(args.config)
+    start = time.perf_counter()
+    ps = PaperShapes(cfg)
+    rows = measure(ps, args.variants or ps.variants(), tuple(args.only), args.e2e_tokens, tuple(args.e2e_modes))
+    print(table(rows, args.gpu_gb))
+    hours = training_hours(rows, cfg)
+    if hours:
+        print(f"\nTraining GPU-hours at {MFU:.0%} MFU of {PEAK_TFLOPS:.0f} TFLOP/s "
+              f"({MFU * PEAK_TFLOPS:.0f} TFLOP/s effective; derived, not measured on a GPU):\n")
+        print("| variant | TFLOP per step per rank | steps | GPU-h |\n|---|---:|---:|---:|")
+        for name, tflop, steps, h in hours:
+            print(f"| {name} | {tflop:.1f} | {steps:,} | {h:.1f} |")
+    over = [r for r in rows if r.peak_gb > args.gpu_gb]
+    print(f"\n{len(rows)} rows in {time.perf_counter() - start:.0f} s; over {args.gpu_gb:.0f} GB: "
+          + (", ".join(f"{r.rule} {r.what} ({r.peak_gb:.1f} GB)" for r in over) or "none"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

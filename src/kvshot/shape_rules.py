@@ -1,0 +1,252 @@
+"""The paper config's GPU rules at their real shapes, run by `shapes.ShapeMeter`: peak memory
+per rank and FLOPs of one training step, evaluation batch or decoding call, with the real
+kvshot functions and a Qwen3-8B-shaped target (bf16, no weights).
+
+Data: every sequence at its full length and every token an assistant token, the worst case
+for every size the code derives from the masks (packed rows, labelled anchors). Attention:
+the drafters run `flash_cpu`'s kernel for every dtype (`cuda_like_attention`), which saves
+what CUDA's flex_attention and SDPA's efficient kernel save (outputs and logsumexp, O(T)),
+where the CPU's own bf16 pick (`block`) would keep [heads, rows, keys] probabilities; the
+target runs SDPA (flash-attn's memory). `benchmarks/paper_shapes.py` prints the table.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from safetensors.torch import save_file
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from .blockwise import any_unroll, objective, training_forward
+from .config import Runtime, all_variants, feature_spec
+from .decode import speculative_generate
+from .drafters import attention as attention_backends
+from .e2e import specs
+from .features import batch_rows, open_features, pad_batch
+from .shapes import GB, ShapeMeter
+from .stepwise import chain_correct, greedy_continuations, greedy_rollouts
+from .target import heldout_loss
+from .train import build_variant, evaluate, variant_config
+from .ttt import label_positions, scored_tokens, step_losses, target_labels, weighted_loss
+
+# Qwen/Qwen3-8B's config.json (the revision config/paper.yaml pins): the shapes that matter
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=False)
+
+
+@dataclass
+class Row:
+    rule: str        # the Snakemake rule (or the part of one)
+    what: str        # variant or path
+    peak_gb: float   # peak bytes per rank / 1e9
+    tflop: float     # FLOPs of the measured call / 1e12
+    per: str         # what the FLOPs are for: "step", "anchor", "token", ...
+    units: float     # how many `per` the measured call covers (tflop / units per unit)
+    seconds: float   # CPU time the measurement took
+
+    @property
+    def tflop_per(self) -> float:
+        return self.tflop / self.units
+
+
+@contextlib.contextmanager
+def cuda_like_attention():
+    """Every drafter attention through the fused flash kernel (`flash_cpu`'s function) in any
+    dtype: the memory of CUDA's flex (training) and SDPA efficient (decoding) kernels."""
+    chosen = attention_backends.chosen_attention()
+    saved = attention_backends._BACKEND_FUNCTIONS["flex"]
+    attention_backends._BACKEND_FUNCTIONS["flex"] = attention_backends._flash_cpu
+    attention_backends.use_attention("flex")
+    try:
+        yield
+    finally:
+        attention_backends._BACKEND_FUNCTIONS["flex"] = saved
+        attention_backends.use_attention(chosen)
+
+
+def build_target(arch: dict, attn: str = "sdpa") -> Qwen3ForCausalLM:
+    """A Qwen3 of these shapes in bf16 (built under a ShapeMeter: no weights in memory)."""
+    config = Qwen3Config(attn_implementation=attn, **arch)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)   # built in bf16: no fp32 copy first
+    try:
+        return Qwen3ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(before)
+
+
+def token_folder(folder: Path, samples: int, length: int, spec, pad_id: int = 0) -> Path:
+    """A features folder as capture_features writes it in online mode (tokens only):
+    `samples` sequences of `length` tokens, every one an assistant token."""
+    folder.mkdir(parents=True, exist_ok=True)
+    n = samples * length
+    save_file({"input_ids": torch.ones(n, dtype=torch.int32), "loss_mask": torch.ones(n, dtype=torch.uint8)},
+              str(folder / "shard0.safetensors"))
+    index = {"mode": "online", "target": "in-memory", "spec": {"aux_layers": list(spec.aux_layers),
+             "kv_layers": list(spec.kv_layers), "dtype": spec.dtype}, "pad_id": pad_id,
+             "num_samples": samples, "shards": ["shard0.safetensors"],
+             "samples": [[0, i * length, length] for i in range(samples)]}
+    (folder / "index.json").write_text(json.dumps(index))
+    return folder
+
+
+class PaperShapes:
+    """The paper config's shapes and one ShapeMeter-built target, shared by every row."""
+
+    def __init__(self, cfg: dict, arch: dict | None = None, world: int | None = None):
+        self.cfg = cfg
+        self.arch = arch or QWEN3_8B
+        tc = cfg["drafters"]["train"]
+        self.world = world or tc["num_processes"]
+        self.length = tc["max_len"]
+        self.rt = Runtime(device="cpu", dtype=cfg["dtype"], threads=1, seed=0)
+        self.meter = ShapeMeter()
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvshot-shapes-")
+        with self.meter:
+            self.target = build_target(self.arch)
+        self.spec = feature_spec(cfg["features"], self.arch["num_hidden_layers"])
+        samples = max(tc["batch_size"], cfg["eval"]["natural"]["batch_size"])
+        self.folder = token_folder(Path(self._tmp.name) / "features", samples, self.length, self.spec)
+
+    def variants(self) -> list[str]:
+        return [v["name"] for _, v in all_variants(self.cfg)]
+
+    def drafter(self, name: str):
+        v = variant_config(self.cfg, name)
+        d2t = torch.arange(self.cfg["drafters"]["draft_vocab_size"])   # the count is what matters
+        model = build_variant(v, self.target.config, self.target.model.embed_tokens.weight.detach(), d2t, self.target)
+        return v, model
+
+    @contextlib.contextmanager
+    def _measure(self, rows: list, rule: str, what: str, per: str, units: float):
+        """Measure the enclosed call: peak over it (with what is resident), its FLOPs."""
+        m, start = self.meter, time.perf_counter()
+        with cuda_like_attention(), m.measuring():
+            yield
+        rows.append(Row(rule, what, m.peak / GB, m.flops / 1e12, per, units,
+                        time.perf_counter() - start))
+
+    # ------------------------------------------------------------ training
+    def train_rows(self, name: str) -> list[Row]:
+        """train_drafter: one step per rank (online target forward, labels, the unroll, the
+        losses, backward, clip, AdamW with its state), then `train.evaluate` on one batch."""
+        rows: list[Row] = []
+        tc, dcfg = self.cfg["drafters"]["train"], self.cfg["drafters"]
+        per_rank = tc["batch_size"] // self.world
+        with self.meter:
+            v, model = self.drafter(name)
+            model.train()
+            steps, decay = objective(model, dcfg, v)
+            src = open_features(self.folder, self.rt, model=self.target)
+            src.read_only(model.cfg.kv_layers, model.reads_aux_hidden)
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"], betas=(0.9, 0.95),
+                                    foreach=True)   # CUDA's default: foreach
+            for p in params:   # AdamW's state exists from the second step on: measure a steady step
+                p.grad = torch.zeros_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            fwd = training_forward(model)
+        head_w = self.target.lm_head.weight.detach()
+        with self._measure(rows, "train_drafter", name, "step", 1):
+            batch = src.batch(list(range(per_rank)))   # the online target forward
+            labels = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
+            local = [float(scored_tokens(batch, labels, model.t2d, k)[1].sum()) for k in range(steps)]
+            denominators = [max(x, 1.0) for x in local]
+            with self.rt.autocast():
+                un = fwd(batch, steps)
+                losses, _, _, _ = step_losses(model, un, batch, labels, denominators)
+                loss = weighted_loss(losses, decay)
+            loss.backward()
+            del un, losses, loss, labels, batch
+            torch.nn.utils.clip_grad_norm_(params, tc["grad_clip"])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        eval_batch = eval_batch_size(tc, self.world)
+        kv = bool(model.kv_attentions())
+        with self._measure(rows, "train_drafter evaluate", name, "sequence", eval_batch):
+            evaluate(model, src, head_w, steps, eval_batch, 1, self.target if kv else None, self.rt.dtype)
+        del opt, fwd, params, model
+        return rows
+
+    # ------------------------------------------------------------ evaluation
+    def stepwise_row(self, name: str) -> Row:
+        """eval_stepwise, natural protocol: one batch of prefixes of the longest length."""
+        rows: list[Row] = []
+        ncfg = self.cfg["eval"]["natural"]
+        steps = self.cfg["drafters"]["ttt_steps"]
+        prefix, rollout, batch = ncfg["max_prefix_len"], ncfg["rollout_tokens"], ncfg["batch_size"]
+        items = [{"prompt": [1] * prefix, "continuation": [1] * rollout, "anchors": [prefix - 1]}
+                 for _ in range(batch)]
+        with self.meter:
+            _, model = self.drafter(name)
+            model.eval()
+        with self._measure(rows, "eval_stepwise natural", name, "anchor", batch):
+            list(chain_correct(model, self.target, items, self.spec.aux_layers, steps, batch, "cpu", self.rt.dtype))
+        return rows[0]
+
+    def e2e_rows(self, name: str, new_tokens: int, modes: tuple[str, ...] = ("chain", "tree")) -> list[Row]:
+        """eval_e2e: batch-1 speculative decoding from a prefix of the natural protocol's longest
+        length, chain and tree (`e2e.specs`). Drafted tokens are fake argmaxes (token 0, the
+        target's too): every draft is accepted (tau = depth + 1, the fewest rounds per token).
+        FLOPs per token leave out the prefill (a 1-token call's FLOPs)."""
+        rows: list[Row] = []
+        with self.meter:
+            _, model = self.drafter(name)
+            model.eval()
+        ids = torch.ones(1, self.cfg["eval"]["natural"]["max_prefix_len"], dtype=torch.long)
+        aux = self.spec.aux_layers if model.reads_aux_hidden else None
+        for mode, spec in specs(self.cfg).items():
+            if mode not in modes:
+                continue
+            prefill: list[Row] = []
+            with self._measure(prefill, "prefill", name, "call", 1):
+                speculative_generate(self.target, model, ids, 1, None, aux, spec)
+            with self._measure(rows, f"eval_e2e {mode}", name, "token", new_tokens - 1):
+                speculative_generate(self.target, model, ids, new_tokens, None, aux, spec)
+            rows[-1].tflop -= prefill[0].tflop
+        return rows
+
+    # ------------------------------------------------------------ the target's own rules
+    def target_rows(self, new_tokens: int) -> list[Row]:
+        rows: list[Row] = []
+        tp = self.cfg["target"]["pretrain"]
+        blocks = torch.ones(tp["batch_size"], tp["block_size"], dtype=torch.long)
+        with self._measure(rows, "target heldout loss", "Qwen3-8B", "token", blocks.numel()):
+            heldout_loss(self.target, blocks, tp["batch_size"], "cpu")
+        ecfg, ncfg = self.cfg["eval"], self.cfg["eval"]["natural"]
+        stub = SimpleNamespace(eos_token_id=None, pad_token_id=0)   # no EOS: every generation runs its length
+        prompt = [1] * ecfg["max_prompt_len"]
+        with self._measure(rows, "target_continuations prefill", "batch 1", "prompt", 1):
+            greedy_continuations(self.target, stub, [prompt], 1, "cpu")
+        with self._measure(rows, "target_continuations decode", "batch 1", "token", new_tokens - 1):
+            greedy_continuations(self.target, stub, [prompt], new_tokens, "cpu")
+        rows[-1].tflop -= rows[-2].tflop   # the tokens after the first: the prefill left out
+        prompts = [[1] * ncfg["max_prefix_len"]] * ncfg["batch_size"]
+        with self._measure(rows, "target_continuations natural", f"batch {ncfg['batch_size']}", "anchor",
+                           ncfg["batch_size"]):
+            greedy_rollouts(self.target, prompts, ncfg["rollout_tokens"], None, 0, "cpu", ncfg["batch_size"])
+        fcfg = self.cfg["features"]
+        n = max(1, fcfg["batch_tokens"] // self.length)
+        batch = pad_batch([{"input_ids": torch.ones(self.length, dtype=torch.int32),
+                            "loss_mask": torch.ones(self.length, dtype=torch.uint8)}] * n)
+        with self._measure(rows, "capture_features offline", f"batch {n}", "token", n * self.length):
+            out = batch_rows(self.target, batch, self.spec, "cpu")
+            del out
+        return rows
+
+
+def eval_batch_size(tc: dict, world: int) -> int:
+    """The sequences `train.evaluate` runs per rank: train's own rule when it states one
+    (`train.eval_batch_size`), else the global batch, as train_variant passes it today."""
+    from . import train
+
+    rule = getattr(train, "eval_batch_size", None)
+    return rule(tc, world) if rule else tc["batch_size"]

@@ -1,0 +1,123 @@
+"""The paper config's GPU rules fit the GPU the SLURM profile books, measured at their real
+shapes by the real code on the CPU (`kvshot.shapes.ShapeMeter`, `kvshot.shape_rules`,
+benchmarks/paper_shapes.py), and the meter itself against computations done by hand.
+
+Every variant's training step and `train.evaluate` batch; the step-wise natural protocol for
+one variant of each paradigm and block kind; chain decoding for three; the target's rules.
+Not here (their peaks are far below the others', benchmarks/paper_shapes.py prints them):
+tree decoding (~1 min of Python dispatch per variant) and the other variants' step-wise rows.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from kvshot.config import read_config
+from kvshot.shape_rules import QWEN3_8B, PaperShapes
+from kvshot.shapes import GB, ShapeMeter
+from kvshot.target import target_forward
+
+from .conftest import REPO
+
+# the memory of the GPU profiles/slurm books for every GPU rule: an H100 with 80 GB
+GPU_GB = float(os.environ.get("KVSHOT_GPU_GB", 80.0))
+TARGET_GB = 2 * 8.19e9 / GB   # Qwen3-8B's bf16 weights: resident in every GPU rule
+
+
+# ---------------------------------------------------------------- the meter, by hand
+
+def test_meter_counts_live_bytes_and_what_autograd_saves():
+    m = ShapeMeter()
+    with m.measuring():
+        x = torch.randn(256, 512)                        # 512 KiB
+        w = torch.randn(512, 1024, requires_grad=True)   # 2 MiB
+        assert m.live == 4 * (256 * 512 + 512 * 1024)
+        y = (x @ w).exp()   # mm's output dies; exp saves its own output (and mm saved x, w)
+        assert m.live == 4 * (256 * 512 + 512 * 1024 + 256 * 1024)
+        assert m.peak == 4 * (256 * 512 + 512 * 1024 + 2 * 256 * 1024)
+        y.sum().backward()
+        del y
+        assert w.grad.shape == w.shape
+        assert m.live == 4 * (256 * 512 + 2 * 512 * 1024)   # x, w, w.grad (the loss was a temporary)
+    flops = m.flops
+    assert flops == 2 * 256 * 512 * 1024 * 2   # forward x @ w, backward x.T @ grad (x needs none)
+
+
+def test_meter_keeps_integer_bookkeeping_real_and_floats_fake():
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    m = ShapeMeter()
+    with m.measuring():
+        mask = torch.arange(10) % 3 == 0
+        rows = mask.nonzero().view(-1)
+        h = torch.randn(10, 4)
+        picked = h.index_select(0, rows)
+    assert not isinstance(rows, FakeTensor) and rows.tolist() == [0, 3, 6, 9]   # from the real mask
+    assert isinstance(h, FakeTensor) and picked.shape == (4, 4)
+
+
+def test_meter_flops_of_a_qwen3_forward_match_the_formula():
+    arch = dict(vocab_size=1000, hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, attn_implementation="sdpa")
+    b, t = 2, 48
+    m = ShapeMeter()
+    with m:
+        model = Qwen3ForCausalLM(Qwen3Config(**arch)).eval()
+    with m.measuring():
+        target_forward(model, torch.ones(b, t, dtype=torch.long), torch.ones(b, t, dtype=torch.long), (1, 2, 3), (0,))
+    h, f, d, n, kv = 64, 192, 16, 4, 2
+    per_layer = h * n * d * 2 + h * kv * d * 2 + 3 * h * f   # q, o; k, v; the MLP
+    attention = 4 * b * n * t * t * d                        # scores and values, dense
+    assert m.flops == 3 * (2 * b * t * per_layer + attention)
+
+
+# ---------------------------------------------------------------- the paper's rules
+
+@pytest.fixture(scope="module")
+def paper():
+    return PaperShapes(read_config([str(REPO / "config/config.yaml"), str(REPO / "config/paper.yaml")]))
+
+
+def fits(row) -> None:
+    assert row.peak_gb > TARGET_GB, f"{row}: less than the target's own weights: the meter missed them"
+    assert row.tflop > 0, row
+    assert row.peak_gb <= GPU_GB, (f"{row.rule} {row.what}: {row.peak_gb:.1f} GB per rank at the paper's shapes "
+                                   f"> the {GPU_GB:.0f} GB GPU the profile books")
+
+
+def test_the_paper_config_has_the_variants_measured(paper):
+    assert set(paper.variants()) == set(ALL_VARIANTS)
+    assert paper.target.config.hidden_size == QWEN3_8B["hidden_size"] == 4096
+
+
+ALL_VARIANTS = ["eagle3", "kv-d1", "kv-d2", "kv-d4", "hybrid", "standalone", "block-kv-d1", "block-kv-d2",
+                "block-kv-d4", "block-hidden", "block-kv-d2-decay", "block-kv-d2-refine", "hybrid-open", "hybrid-warm"]
+
+
+@pytest.mark.parametrize("name", ALL_VARIANTS)
+def test_train_drafter_step_and_evaluate_fit(paper, name):
+    step, ev = paper.train_rows(name)
+    # a step runs at least the online target forward: 2 x 8.2e9 FLOPs per token of the rank's sequence
+    assert step.tflop > 2 * 8.19e9 * 2048 / 1e12 * 0.9, step
+    fits(step)
+    fits(ev)
+
+
+@pytest.mark.parametrize("name", ["eagle3", "kv-d4", "hybrid", "standalone", "block-kv-d4", "block-hidden",
+                                  "block-kv-d2-refine"])
+def test_eval_stepwise_natural_fits(paper, name):
+    fits(paper.stepwise_row(name))
+
+
+@pytest.mark.parametrize("name", ["kv-d4", "hybrid", "standalone"])
+def test_eval_e2e_chain_fits(paper, name):
+    (row,) = paper.e2e_rows(name, 8, ("chain",))
+    fits(row)
+
+
+def test_target_rules_fit(paper):
+    for row in paper.target_rows(4):
+        fits(row)
