@@ -169,10 +169,10 @@ class PaperShapes:
             torch.nn.utils.clip_grad_norm_(params, tc["grad_clip"])
             opt.step()
             opt.zero_grad(set_to_none=True)
-        eval_batch = eval_batch_size(tc, self.world)
         kv = bool(model.kv_attentions())
-        with self._measure(rows, "train_drafter evaluate", name, "sequence", eval_batch):
-            evaluate(model, src, head_w, steps, eval_batch, 1, self.target if kv else None, self.rt.dtype)
+        share = tc["batch_size"] // self.world   # one rank's share of a global evaluation batch (DDP: `evaluate`)
+        with self._measure(rows, "train_drafter evaluate", name, "sequence", share):
+            evaluate(model, src, head_w, steps, share, 1, self.target if kv else None, self.rt.dtype)
         del opt, fwd, params, model
         return rows
 
@@ -242,11 +242,3 @@ class PaperShapes:
             del out
         return rows
 
-
-def eval_batch_size(tc: dict, world: int) -> int:
-    """The sequences `train.evaluate` runs per rank: train's own rule when it states one
-    (`train.eval_batch_size`), else the global batch, as train_variant passes it today."""
-    from . import train
-
-    rule = getattr(train, "eval_batch_size", None)
-    return rule(tc, world) if rule else tc["batch_size"]

@@ -90,18 +90,45 @@ class ShapeMeter(TorchDispatchMode):
     # ------------------------------------------------------------ dispatch
     def _worst(self, func, args):
         self.worst_cases[str(func)] = self.worst_cases.get(str(func), 0) + 1
-        if func is aten._local_scalar_dense.default:
+        if func is aten.is_nonzero.default:   # bool(t): a condition holds
+            return True
+        if func in (aten._local_scalar_dense.default, aten.item.default):   # item, is_nonzero: reached as such under inference_mode
             return worst_scalar(args[0])
         x = args[0]   # nonzero: every element is nonzero
         with self.fake:
             return torch.empty(x.numel(), x.dim(), dtype=torch.long)
 
+    def _worst_index(self, args):
+        """x[mask] for a mask read from fake floats: every element selected (the worst case),
+        as an index of all positions (a 1-D mask over one dim; others are not needed yet)."""
+        x, indices = args[0], list(args[1])
+        self.worst_cases["aten.index.Tensor (bool mask)"] = self.worst_cases.get("aten.index.Tensor (bool mask)", 0) + 1
+        for d, i in enumerate(indices):
+            if isinstance(i, FakeTensor) and i.dtype == torch.bool:
+                if i.dim() != 1:
+                    raise NotImplementedError(f"ShapeMeter: a {i.dim()}-D mask read from fake floats")
+                indices[d] = torch.arange(i.shape[0])
+        with self.fake:
+            return aten.index.Tensor(x, indices)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "aten" and torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), "CompositeImplicitAutograd"):
+            # under inference_mode composite ops (linear, matmul, item) arrive whole: run their
+            # decomposition through the meter, so its matmuls are counted and its scalars seen
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         faked = any(isinstance(x, FakeTensor) for x in tensors)
-        if faked and func in (aten._local_scalar_dense.default, aten.nonzero.default):
+        if faked and func in (aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default,
+                              aten.nonzero.default):
             out = self._worst(func, args)
+        elif faked and func is aten.index.Tensor and any(
+                isinstance(i, FakeTensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+            out = self._worst_index(args)
         elif faked:
             with self.fake:
                 out = func(*args, **kwargs)
