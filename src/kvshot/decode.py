@@ -12,7 +12,9 @@ last token x[n_past] (its bonus) is known but not yet in its cache:
           (cache + ancestors; a chain uses HF's own causal mask), positions n_past + depth;
           a target loaded with flash-attn verifies trees with SDPA (`tree_mask_attention`);
           greedy (output identical to `target.generate(do_sample=False)`) or speculative
-          sampling at a temperature, no top-k/top-p (chain only);
+          sampling at a temperature, no top-k/top-p, on chains and trees (`verify_sampling`:
+          each node's drafted children, sampled without replacement from q, are tried in turn
+          against the residual; the output follows the target's distribution exactly);
   keep    the target's cache keeps the accepted path (gathered into place, then cropped),
           whose positions become the next round's anchors.
 
@@ -62,6 +64,11 @@ class Draft:
     depths: list[int]        # 1..K
     scores: list[float]      # cumulative draft log-probability (EAGLE-2's ranking)
     q: Tensor | None = None  # sampling: [N, draft vocab] the drafter's distribution for each node
+    # sampling trees: per tree row (0: the root, i + 1: node i), every child drawn there in draw
+    # order (target ids, also those the token budget left out; [] if the row drafted none), and
+    # the distribution over the draft vocab they were drawn from (None if none). None: a chain.
+    drawn: list[list[int]] | None = None
+    drawn_q: list[Tensor | None] | None = None
 
 
 @dataclass
@@ -146,18 +153,19 @@ def draft(drafter: Drafter, state: StepState, step0_ids: Tensor, anchors: Tensor
     """Step 0 over the new anchors, then K-1 steps from the last one. Every drafting row is a
     tree node; `select_rows` with a parent index gives each child its ancestors' diagonal keys
     and its parent's hidden state. Greedy: EAGLE-2 tree (chain when topk == 1), nodes scored
-    by cumulative draft log-probability. Sampling: a chain of tokens sampled from q. A chain's
-    one row stays itself (no `select_rows` copies), and every depth's nodes stay on the device
-    until the end: no host sync per step."""
+    by cumulative draft log-probability. Sampling: a chain of tokens sampled from q, or a tree
+    of children sampled without replacement (`_sampled_tree`). A chain's one row stays itself
+    (no `select_rows` copies), and every depth's nodes stay on the device until the end: no
+    host sync per step."""
     if getattr(drafter, "block_wise", False):   # a block drafter: one forward per round
         return draft_block(drafter, state, step0_ids, anchors, spec, temperature, generator)
     sample = temperature > 0
-    if sample and not spec.chain:
-        raise ValueError("speculative sampling is implemented for chains only (DraftSpec.topk == 1)")
     d2t, device = drafter.d2t, anchors.device
     t = int(anchors[0, -1])
     h = drafter.step(state, step0_ids, anchors + 1, 0)[:, -1:]   # step 0 over every new anchor
     state.select_rows(slice(-1, None))                           # only the last one drafts on
+    if sample and not spec.chain:
+        return _sampled_tree(drafter, state, h, t, spec, temperature, generator)
     positions = torch.arange(t + 1, t + spec.depth + 1, device=device).view(-1, 1, 1)   # step k: t + k + 1
     tokens: list[Tensor] = []    # per depth: the candidates' draft-vocab ids
     parents: list[Tensor] = []   # per depth: each candidate's parent node (-1: the root)
@@ -199,6 +207,92 @@ def draft(drafter: Drafter, state: StepState, step0_ids: Tensor, anchors: Tensor
     out = Draft(d2t[torch.cat(tokens)].tolist(), torch.cat(parents).tolist(), depths, torch.cat(scores).tolist(),
                 torch.stack(qs) if sample else None)
     return out if spec.total_tokens is None else _best_nodes(out, spec.total_tokens)
+
+
+def sample_without_replacement(q: Tensor, k: int, generator: torch.Generator | None) -> Tensor:
+    """[rows, k] distinct draws from each row of q, in draw order: sequential sampling without
+    replacement (each draw from q renormalized over the tokens not yet drawn). An exponential
+    race: token v finishes at E_v / q_v with E_v ~ Exp(1) i.i.d.; the first finisher is v with
+    probability q_v / sum(q), and by memorylessness the race among the rest starts afresh, so
+    the finishing order is that sequence (the Gumbel-top-k trick). q must be positive."""
+    e = torch.empty_like(q).exponential_(1.0, generator=generator)
+    return (q / e).topk(min(k, q.shape[-1]), dim=-1).indices   # sorted: the finishing order
+
+
+def _sampled_tree(drafter: Drafter, state: StepState, h: Tensor, t: int, spec: DraftSpec, temperature: float,
+                  generator: torch.Generator | None) -> Draft:
+    """A tree for speculative sampling. The EAGLE-2 shape: each frontier row draws `topk`
+    distinct children from its q (`sample_without_replacement`), and the `topk` best candidates
+    by cumulative log q draft on. Every drawn child is kept in `Draft.drawn`: verification tries
+    all of them, in draw order, whichever nodes the target sees.
+
+    The token budget (`total_tokens`) cannot be EAGLE-2's global top-n here: whether a node that
+    drafted children is sent to the target must not depend on its children's values (a node is
+    only descended into when the target sees it, and its children's law given that must stay q),
+    and a global ranking does depend on them (they compete for frontier rows with the cousins'
+    children, whose descendants then compete with the node for the budget). So the rows that
+    drafted on are kept first, depth by depth and by score within a depth (decided before their
+    children exist), and what the budget leaves goes to the best other candidates by score
+    (leaves: nothing is drawn below them, so their selection may depend on anything)."""
+    d2t, device = drafter.d2t, h.device
+    positions = torch.arange(t + 1, t + spec.depth + 1, device=device).view(-1, 1, 1)   # step k: t + k + 1
+    tokens: list[Tensor] = []        # per depth: the candidates' draft-vocab ids, row-major in draw order
+    parents: list[Tensor] = []       # per depth: each candidate's parent node (-1: the root)
+    scores: list[Tensor] = []        # per depth: cumulative draft log-probabilities
+    row_nodes: list[Tensor] = []     # per depth: the node each drafting row stands for
+    row_qs: list[Tensor] = []        # per depth: [rows, draft vocab] the q each row drew from
+    row_node = torch.tensor([-1], device=device)
+    row_score = torch.zeros(1, device=device)
+    n_nodes, ids = 0, None
+    tiny = torch.finfo(torch.float32).tiny
+    for k in range(spec.depth):
+        if k > 0:
+            h = drafter.step(state, ids, positions[k].expand_as(ids), k)
+        # positive everywhere, so k distinct tokens always have q > 0; drawing and verifying
+        # both use this very q, so the floor changes nothing about exactness
+        q = torch.softmax(drafter.logits(h)[0].float() / temperature, dim=-1).clamp_min(tiny)
+        idx = sample_without_replacement(q, spec.topk, generator)              # [rows, topk]
+        cand_tok = idx.flatten()
+        cand_row = torch.arange(len(q), device=device).repeat_interleave(idx.shape[1])
+        cand_score = (row_score[:, None] + q.gather(1, idx).log()).flatten()
+        tokens.append(cand_tok)
+        parents.append(row_node[cand_row])
+        scores.append(cand_score)
+        row_nodes.append(row_node)
+        row_qs.append(q)
+        first, n_nodes = n_nodes, n_nodes + len(cand_tok)
+        if k + 1 == spec.depth:
+            break
+        keep = cand_score.topk(min(spec.topk, len(cand_score))).indices   # the frontier drafts on
+        state.select_rows(cand_row[keep])
+        row_node, row_score, ids = first + keep, cand_score[keep], d2t[cand_tok[keep]][None]
+
+    tok = d2t[torch.cat(tokens)].tolist()
+    par, score = torch.cat(parents).tolist(), torch.cat(scores).tolist()
+    depth = [k + 1 for k, x in enumerate(tokens) for _ in range(len(x))]
+    q_of = {}                                   # drafting node (-1: the root) -> its q
+    for nodes, q in zip(row_nodes, row_qs):
+        q_of.update(zip(nodes.tolist(), q))
+    budget = len(tok) if spec.total_tokens is None else spec.total_tokens
+    kept: list[int] = []
+    for k in range(1, spec.depth):              # rows that drafted on, depth by depth
+        for i in sorted((i for i in q_of if i >= 0 and depth[i] == k), key=lambda i: (-score[i], i)):
+            if len(kept) < budget:
+                kept.append(i)
+    inner = set(kept)
+    leaves = sorted((i for i in range(len(tok)) if i not in q_of and (par[i] == -1 or par[i] in inner)),
+                    key=lambda i: (-score[i], i))
+    order = sorted(kept + leaves[: max(budget - len(kept), 0)])
+    row = {old: j for j, old in enumerate(order, start=1)}
+    row[-1] = 0
+    drawn: list[list[int]] = [[] for _ in range(len(order) + 1)]
+    for i in range(len(tok)):                   # node order is draw order within a parent
+        if par[i] in row:
+            drawn[row[par[i]]].append(tok[i])
+    drawn_q = [q_of.get(i) for i in [-1] + order]
+    return Draft([tok[i] for i in order], [row[par[i]] - 1 for i in order], [depth[i] for i in order],
+                 [score[i] for i in order], torch.stack([q_of[par[i]] for i in order]) if order else None,
+                 drawn, drawn_q)
 
 
 @torch.no_grad()
@@ -273,23 +367,72 @@ def verify_greedy(logits: Tensor, d: Draft) -> tuple[list[int], int]:
         path.append(nxt)
 
 
+def _accept_prob(p: Tensor, q: Tensor, x: int) -> Tensor:
+    """Speculative sampling's acceptance probability of a draft x drawn from q, for target p."""
+    return torch.clamp(p[x] / q[x], max=1.0)
+
+
+def _residual(p: Tensor, q: Tensor) -> Tensor:
+    """norm(max(p - q, 0)): the target's distribution given that a draft from q was rejected
+    (p itself when p == q, where a rejection has probability 0)."""
+    r = torch.clamp(p - q, min=0)
+    s = r.sum()
+    return r / s if s > 0 else p
+
+
+def _without(q: Tensor, x: int) -> Tensor:
+    """The law of the next sibling drawn without replacement after x: q with x removed, renormalized."""
+    q = q.clone()
+    q[x] = 0
+    return q / q.sum()
+
+
 def verify_sampling(logits: Tensor, d: Draft, d2t: Tensor, temperature: float,
                     generator: torch.Generator | None) -> tuple[list[int], int]:
-    """Speculative sampling on a chain (Leviathan et al. 2023): accept x_i with probability
-    min(1, p_i(x) / q_i(x)); on the first rejection sample from norm(max(0, p_i - q_i));
-    if all are accepted, the bonus comes from p_N. q is zero outside the draft vocab."""
+    """Speculative sampling, lossless in distribution. Chain (Leviathan et al. 2023): accept
+    x_i with probability min(1, p_i(x) / q_i(x)); on the first rejection sample from
+    norm(max(0, p_i - q_i)); if all are accepted, the bonus comes from p_N.
+
+    Tree (recursive rejection sampling over siblings, as SpecInfer's multi-step speculative
+    sampling and EAGLE's sampling mode, with drafts drawn without replacement): at a row with
+    target distribution r_0 = p and children x_1..x_m drawn sequentially without replacement
+    from q, let q_0 = q and q_j = q with x_1..x_j removed, renormalized (`_without`): x_j is
+    then distributed as q_{j-1} given everything before it. Try x_j with probability
+    min(1, r_{j-1}(x_j) / q_{j-1}(x_j)); on rejection r_j = norm(max(r_{j-1} - q_{j-1}, 0)); if
+    all are rejected, sample from r_m. Each try is one speculative-sampling step of draft
+    q_{j-1} against target r_{j-1}, and P(out = y) = min(r, q)(y) + (1 - sum min(r, q)) *
+    max(r - q, 0)(y) / sum max(r - q, 0) = r(y); by induction from the last try the output
+    follows r_0 = p. (With replacement, i.e. i.i.d. siblings, the same steps with q_j = q
+    would be exact; without, using q for later siblings is not.) An accepted child the target
+    saw is descended into; one the budget left out (`Draft.drawn`) ends the round as its last
+    token, as a residual sample does; a row that drafted nothing yields its bonus from p.
+    Whether a row that drafted children is seen never depends on those children
+    (`_sampled_tree`), so below it the same argument holds. q is zero outside the draft vocab."""
     p = torch.softmax(logits.float() / temperature, dim=-1)
+    if d.drawn is None:   # a chain: row i drew node i, from q_i, and nothing else
+        drawn, drawn_q = [[x] for x in d.tokens] + [[]], list(d.q) + [None]
+    else:
+        drawn, drawn_q = d.drawn, d.drawn_q
+    seen = {(parent + 1, x): i for i, (parent, x) in enumerate(zip(d.parents, d.tokens), start=1)}
+    device = generator.device if generator else p.device
     path = [0]
-    for i, x in enumerate(d.tokens):
-        q = torch.zeros_like(p[i]).index_add_(0, d2t, d.q[i].to(p.dtype))
-        u = torch.rand((), generator=generator, device=generator.device if generator else p.device)
-        if u < torch.clamp(p[i, x] / q[x], max=1.0):
-            path.append(i + 1)
-            continue
-        residual = torch.clamp(p[i] - q, min=0)
-        residual = residual if residual.sum() > 0 else p[i]   # p == q: a rejection has measure 0
-        return path, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-    return path, int(torch.multinomial(p[len(d.tokens)], 1, generator=generator))
+    while True:
+        row = path[-1]
+        r = p[row]
+        if drawn[row]:
+            q = torch.zeros_like(r).index_add_(0, d2t, drawn_q[row].to(p.dtype))
+        for j, x in enumerate(drawn[row]):
+            if j:
+                q = _without(q, drawn[row][j - 1])
+            u = torch.rand((), generator=generator, device=device)
+            if u < _accept_prob(r, q, x):
+                if (row, x) not in seen:   # drawn, but the target did not see it
+                    return path, x
+                path.append(seen[(row, x)])
+                break
+            r = _residual(r, q)
+        else:   # every child rejected (or none drawn: the bonus)
+            return path, int(torch.multinomial(r, 1, generator=generator))
 
 
 # Implementations that take kvshot's additive 4D tree mask. flash-attn (and other kernels
@@ -359,8 +502,6 @@ def _speculative_generate(target, drafter: Drafter, input_ids: Tensor, max_new_t
         raise ValueError(f"speculative_generate: batch size 1 and max_new_tokens >= 1, got "
                          f"{input_ids.shape[0]} and {max_new_tokens}")
     spec = spec or DraftSpec()
-    if temperature > 0 and not spec.chain:
-        raise ValueError("speculative sampling is implemented for chains only (DraftSpec.topk == 1)")
     device = input_ids.device
     dtype = drafter.compute_dtype()   # what the target's context is cast to (bf16 under autocast)
     kv_layers = list(drafter.cfg.kv_layers)
