@@ -1,6 +1,6 @@
 """End-to-end speculative decoding: greedy output equals the target's own greedy output for
-every paradigm (the standalone draft LM included), chain and tree; speculative sampling reproduces the target's distribution;
-chain acceptance equals the teacher-forced step-wise simulation; the result's fields agree."""
+every paradigm (the standalone draft LM included), chain and tree; speculative sampling, chain and tree, reproduces the
+target's distribution (and a broken verifier fails the same tests); chain acceptance equals the teacher-forced step-wise simulation; the result's fields agree."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from kvshot.data import read_jsonl, render_chat
+from kvshot import decode
 from kvshot.decode import (Draft, DraftSpec, drafter_context, draft, keep_path, plain_generate,
-                           speculative_generate, tree_attention, verify_greedy)
+                           sample_without_replacement, speculative_generate, tree_attention, verify_greedy,
+                           verify_sampling)
 from kvshot.features import open_features, pad_batch
 from kvshot.target import load_target, pack_blocks, pretrain, target_forward, tokenized
 from kvshot.tokenizer import load_tokenizer
@@ -406,9 +408,174 @@ def test_sampling_reproduces_target_distribution(world):
     assert 0.5 * float((q - p1_given[y0]).abs().sum()) > 0.05
 
 
-def test_sampling_rejects_trees(world):
-    with pytest.raises(ValueError, match="chains only"):
-        run(world, world["drafters"]["kv-1"], 0, 8, TREE, temperature=1.0)
+ALPHA = 1e-3   # every distribution test below: the correct sampler must not be rejected at this level
+
+
+@pytest.fixture
+def one_thread():
+    """Sampling tests run thousands of ops on tensors of a few elements: with intra-op threads
+    on a busy CPU each softmax waits for the pool (ms instead of us)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_sample_without_replacement_is_sequential(one_thread):
+    """The exponential race: the first draw follows q, the second q renormalized without the first."""
+    q = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    n = 20000
+    draws = sample_without_replacement(q.expand(n, -1).contiguous(), 3, torch.Generator().manual_seed(0))
+    assert (draws[:, 0] != draws[:, 1]).all() and (draws[:, 1] != draws[:, 2]).all()
+    second = (q[:, None] * q[None, :] / (1 - q[:, None])).fill_diagonal_(0).sum(0)
+    for col, law in ((0, q), (1, second)):
+        assert pvalue(*chi_square(torch.bincount(draws[:, col], minlength=len(q)), law)) > ALPHA, col
+
+
+# A Markov target and drafter over 8 tokens (the drafter's vocabulary lacks 4 and 6): the exact
+# law of a sampled sequence is a product of table rows, and a round costs no model forward.
+MV, MD2T = 8, torch.tensor([0, 1, 2, 3, 5, 7])
+_g = torch.Generator().manual_seed(1)
+MP = torch.softmax(1.5 * torch.randn(MV, MV, generator=_g), -1)                      # p(next | last)
+MQ = torch.softmax(MP[:, MD2T].log() + torch.randn(MV, len(MD2T), generator=_g), -1)   # q: p, perturbed
+MARKOV_N = 2000            # 3-token sequences per test
+
+
+class MarkovDrafter:
+    """q(next | last token) from a table: a row's hidden state is its last token."""
+    d2t = MD2T
+
+    def step(self, state, ids, positions, k):
+        return ids[..., None].float()
+
+    def logits(self, h):
+        return MQ[h[..., 0].long()].log()
+
+
+class _Rows:
+    def select_rows(self, rows):
+        pass
+
+
+def markov_sequences(spec: DraftSpec, n: int, seed: int = 0) -> tuple[torch.Tensor, dict]:
+    """n 3-token sequences from token 0 by draft() + verify_sampling() rounds at temperature 1,
+    and counts of what the rounds did."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs, seen = [], {"rounds": 0, "later_sibling": 0, "unseen_child": 0, "residual": 0}
+    for _ in range(n):
+        out = [0]
+        while len(out) < 4:
+            d = draft(MarkovDrafter(), _Rows(), torch.tensor([[out[-1]]]), torch.tensor([[0]]), spec, 1.0, gen)
+            path, bonus = verify_sampling(MP[torch.tensor(out[-1:] + d.tokens)].log(), d, MD2T, 1.0, gen)
+            drawn = d.drawn or [[x] for x in d.tokens] + [[]]
+            first = d.tokens[path[1] - 1] if len(path) > 1 else bonus
+            seen["rounds"] += 1
+            seen["later_sibling"] += first in drawn[0][1:]
+            seen["unseen_child"] += bonus in drawn[path[-1]]
+            seen["residual"] += bool(drawn[path[-1]]) and bonus not in drawn[path[-1]]
+            out += [d.tokens[i - 1] for i in path[1:]] + [bonus]
+        seqs.append(out[1:4])
+    return torch.tensor(seqs), seen
+
+
+def markov_pvalues(seqs: torch.Tensor) -> list[float]:
+    """Chi-square p-values of the pairs (y1, y2) and (y2, y3) against their exact joint laws."""
+    j12 = MP[0][:, None] * MP
+    j23 = j12.sum(0)[:, None] * MP
+    return [pvalue(*chi_square(torch.bincount(seqs[:, a] * MV + seqs[:, a + 1], minlength=MV * MV), law.flatten()))
+            for a, law in ((0, j12), (1, j23))]
+
+
+MARKOV_SPECS = {"chain": DraftSpec(depth=2), "tree": DraftSpec(depth=2, topk=3),
+                "tree-budget": DraftSpec(depth=3, topk=3, total_tokens=5)}
+
+
+@pytest.mark.parametrize("name", list(MARKOV_SPECS))
+def test_speculative_sampling_reproduces_a_markov_target(name, one_thread):
+    """Lossless in distribution: the pairs of a sampled sequence follow the target's exact joint
+    law, for a chain, a full tree and a tree whose budget leaves drawn children (and a drafting
+    row) out; later siblings, unseen children and residual samples all occur."""
+    seqs, seen = markov_sequences(MARKOV_SPECS[name], MARKOV_N)
+    assert min(markov_pvalues(seqs)) > ALPHA, (name, markov_pvalues(seqs))
+    assert seen["residual"] > 0.05 * seen["rounds"]
+    if name != "chain":
+        assert seen["later_sibling"] > 0.02 * seen["rounds"], seen
+    if name == "tree-budget":
+        assert seen["unseen_child"] > 0.05 * seen["rounds"], seen
+
+
+BROKEN = {   # verifier parts replaced by wrong ones
+    "accept-every-draft": ("_accept_prob", lambda p, q, x: torch.tensor(1.0)),
+    "resample-from-p": ("_residual", lambda p, q: p),                                  # no residual
+    "unnormalized-residual": ("_residual", lambda p, q: torch.clamp(p - q, min=0)),
+    "siblings-against-q": ("_without", lambda q, x: q),              # as if drawn with replacement
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN))
+def test_markov_test_rejects_a_broken_verifier(broken, monkeypatch, one_thread):
+    """The same test, same sample size, rejects each broken verifier at ALPHA."""
+    monkeypatch.setattr(decode, *BROKEN[broken])
+    seqs, _ = markov_sequences(MARKOV_SPECS["tree-budget"], MARKOV_N)
+    assert min(markov_pvalues(seqs)) < ALPHA, (broken, markov_pvalues(seqs))
+
+
+TREE_N = 600     # 3-token decodes of the tiny target
+
+
+def target_pvalues(world, prompt: list[int], seqs: torch.Tensor, temp: float) -> tuple[float, float]:
+    """p-values of position 1 (the first verified one) against the target's marginal, and of
+    position 2 given position 0 (groups of >= 20 decodes, statistics summed)."""
+    target, v = world["target"], world["target"].config.vocab_size
+    p0 = next_probs(target, [prompt], temp)[0]
+    p1_given = next_probs(target, [prompt + [y0] for y0 in range(v)], temp)
+    first = pvalue(*chi_square(torch.bincount(seqs[:, 1], minlength=v), p0 @ p1_given))
+    stat, df = 0.0, 0
+    for y0 in seqs[:, 0].unique().tolist():
+        rows = seqs[seqs[:, 0] == y0]
+        if len(rows) >= 20:
+            p2 = p1_given[y0] @ next_probs(target, [prompt + [y0, y1] for y1 in range(v)], temp)
+            s, d = chi_square(torch.bincount(rows[:, 2], minlength=v), p2)
+            stat, df = stat + s, df + d
+    return first, pvalue(stat, df)
+
+
+def tree_decodes(world, monkeypatch) -> tuple[torch.Tensor, list]:
+    """TREE_N decodes of 3 tokens at temperature 1 with a depth-2 tree whose budget (4 of 12
+    nodes) leaves drawn children out, and each round's (draft, path, bonus)."""
+    rounds = []
+    real = decode.verify_sampling
+
+    def spy(logits, d, *args):
+        out = real(logits, d, *args)
+        rounds.append((d, *out))
+        return out
+
+    monkeypatch.setattr(decode, "verify_sampling", spy)
+    gen = torch.Generator().manual_seed(0)
+    spec = DraftSpec(depth=2, topk=3, total_tokens=4)
+    runs = [run(world, world["drafters"]["kv-1"], 2, 3, spec, temperature=1.0, generator=gen, eos=None)
+            for _ in range(TREE_N)]
+    return torch.tensor([r.tokens for r in runs]), rounds
+
+
+def test_tree_sampling_reproduces_target_distribution(world, monkeypatch, one_thread):
+    """speculative_generate with a tree at temperature 1 against the tiny target's exact
+    distribution: rounds accept 2 drafts, accept a later sibling, end on a drawn child the
+    target did not see, and reject every child."""
+    seqs, rounds = tree_decodes(world, monkeypatch)
+    assert min(target_pvalues(world, world["prompts"][2], seqs, 1.0)) > ALPHA
+    assert all(len(d.tokens) == 4 and len(d.drawn[0]) == 3 for d, _, _ in rounds)
+    assert sum(len(path) == 3 for _, path, _ in rounds) > 0
+    assert sum((d.tokens[path[1] - 1] if len(path) > 1 else b) in d.drawn[0][1:] for d, path, b in rounds) > 0
+    assert sum(len(path) == 2 and b in d.drawn[path[-1]] for d, path, b in rounds) > 0
+    assert sum(b not in d.drawn[path[-1]] and len(d.drawn[path[-1]]) > 0 for d, path, b in rounds) > 0
+
+
+def test_tree_sampling_test_rejects_a_broken_verifier(world, monkeypatch, one_thread):
+    monkeypatch.setattr(decode, *BROKEN["accept-every-draft"])
+    seqs, _ = tree_decodes(world, monkeypatch)
+    assert min(target_pvalues(world, world["prompts"][2], seqs, 1.0)) < ALPHA
 
 
 # ---------------------------------------------------------------- result fields and the baseline
