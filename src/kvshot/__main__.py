@@ -75,7 +75,9 @@ def _cmd_export(args, cfg) -> dict:
 def _cmd_import(args, cfg) -> dict:
     from .export import import_eagle3
 
-    return import_eagle3(args.checkpoint, args.target, args.out)
+    # eagle3: either layout, found from config.json; speculators: vLLM's layout only
+    layout = "auto" if args.format == "eagle3" else args.format
+    return import_eagle3(args.checkpoint, args.target, args.out, layout=layout, aux_convention=args.aux_convention)
 
 
 def _cmd_target_continuations(args, cfg) -> dict:
@@ -270,7 +272,10 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("import", help="read an EAGLE-3 checkpoint folder into a kvshot drafter")
     s.add_argument("checkpoint", help="an EAGLE-3 checkpoint folder (config.json + weights)")
     s.add_argument("out", help="the kvshot drafter folder to write")
-    s.add_argument("--format", choices=["eagle3"], required=True, help="checkpoint layout")
+    s.add_argument("--format", choices=["eagle3", "speculators"], required=True,
+                   help="eagle3: an EAGLE-3 head in either layout (SpecForge/SGLang or speculators); speculators: that one only")
+    s.add_argument("--aux-convention", choices=["vllm", "sglang"], default=None,
+                   help="how the head's aux layer ids count: vllm (input of layer i, the default) or sglang (output of layer i)")
     s.add_argument("--target", required=True, help="the target folder (its embedding fills the drafter's)")
     s.add_argument("--config", action="append", default=None, help="optional config (not read by import)")
     s.add_argument("--threads", type=int, default=None, help="torch threads")
