@@ -134,6 +134,14 @@ def _cmd_blockwise_report(args, cfg) -> dict:
                                 remedies, hybrids, main, args.decay_figure, args.depth_figure)
 
 
+def _cmd_published_table(args, cfg) -> dict:
+    from .published import published_table
+
+    if not (cfg.get("published") or {}).get("heads"):
+        raise ConfigError("config: published.heads: no published heads to tabulate")
+    return published_table(cfg["published"], args.results, args.table)
+
+
 def _cmd_readme(args, cfg) -> dict:
     from .report import update_readme
 
@@ -156,6 +164,7 @@ STAGES = {
     "scaling-report": (_cmd_scaling_report, ("drafters", "scaling")),
     "blockwise-report": (_cmd_blockwise_report, ("drafters", "blockwise")),
     "readme": (_cmd_readme, ("drafters",)),
+    "published-table": (_cmd_published_table, ("published",)),
     "export": (_cmd_export, ("features",)),
     "import": (_cmd_import, ()),
 }
@@ -176,6 +185,7 @@ STAGE_HELP = {
     "report": "tables, figures and the claims verdict from the result files",
     "scaling-report": "MAT against the number of training samples (figures/scaling.pdf)",
     "blockwise-report": "block-wise drafters vs the KV-only chains: figures/blockwise.pdf, table, verdicts",
+    "published-table": "published heads' tau (results/published/<head>/e2e.json) beside the publishers' figures",
 }
 # what each path flag names (every one required)
 PATH_HELP = {
@@ -226,6 +236,7 @@ def parser() -> argparse.ArgumentParser:
         "e2e-timing": ("reference", "hybrid", "target", "prompts", "features-index", "out"),
         "scaling-report": ("results", "figure", "table"),
         "blockwise-report": ("results", "figure", "table", "claims-md", "claims-json"),
+        "published-table": ("results", "table"),
         "report": ("results", "tables", "figures", "claims-md", "claims-json"),
     }
     for stage, names in paths.items():

@@ -229,7 +229,7 @@ def import_eagle3(ckpt_dir: str | Path, target_dir: str | Path, out_dir: str | P
 def import_variant(cfg: dict, name: str, target_dir: str, features_dir: str, out_dir: str) -> dict:
     """The `train-drafter` stage for a variant whose weights come from a path: import, no
     training. The head must fuse the target layers the features hold (eval reads those)."""
-    from .published import LAYOUTS, head_aux_layers
+    from .published import LAYOUTS, head_aux_layers, resolve_weights
     from .variants import variant_config
 
     v = variant_config(cfg, name)
@@ -240,14 +240,15 @@ def import_variant(cfg: dict, name: str, target_dir: str, features_dir: str, out
                           "can be imported")
     index = Path(features_dir) / "index.json"
     held = read_json(index)["spec"]["aux_layers"] if index.is_file() else None
-    aux = head_aux_layers(v["weights"], target_config(target_dir)["num_hidden_layers"], v.get("aux_convention"))
+    weights = resolve_weights(v["weights"])   # a path, or hub:REPO@REVISION from the HF cache
+    aux = head_aux_layers(weights, target_config(target_dir)["num_hidden_layers"], v.get("aux_convention"))
     if held is not None and list(aux) != list(held):
         raise FormatError(f"{where}.weights: the head fuses target layers {list(aux)} (hidden_states indices), the "
                           f"features hold {list(held)} (set features.aux_layers to match)")
     metrics = {"variant": name, "paradigm": "hidden", "layers": 1, "steps": 0, "stopped_by": "imported",
                "imported_from": v["weights"], "train_seconds": 0.0}
     # the files a trained drafter's folder has (the report reads them); no training log
-    summary = import_eagle3(v["weights"], target_dir, out_dir,
+    summary = import_eagle3(weights, target_dir, out_dir,
                             {"metrics.json": metrics, "train_log.json": [], "variant.json": v},
                             layout, v.get("aux_convention"))
     return {**metrics, "draft_vocab_size": summary["draft_vocab_size"]}

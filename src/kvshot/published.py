@@ -254,5 +254,80 @@ def head_aux_layers(ckpt_dir: str | Path, num_layers: int, aux_convention: str |
     return hf_aux_layers(meta["aux_ids"], aux_convention or "vllm")
 
 
+# ---------------------------------------------------------------- the published-head target
+
+def resolve_weights(spec: str) -> str:
+    """A head's folder: a path, or `hub:REPO@REVISION` read from the local HF cache (the pinned
+    commit scripts/predownload_hub.py fetched; offline runs set HF_HUB_OFFLINE=1)."""
+    if not spec.startswith("hub:"):
+        return spec
+    repo, _, revision = spec[4:].partition("@")
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(repo, revision=revision or None, allow_patterns=[
+        "config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model.bin"])
+
+
+def head_variant(head: dict) -> dict:
+    """The drafters.variants entry that imports a published head (train-drafter's `weights:`)."""
+    v = {"name": head["name"], "paradigm": "hidden", "layers": 1, "weights": f"hub:{head['repo']}@{head['revision']}",
+         "format": head["format"]}
+    return {**v, "aux_convention": head["aux_convention"]} if head.get("aux_convention") else v
+
+
+def head_stage_config(cfg: dict, head: dict) -> dict:
+    """A stage config for one published head: its variant alone, and the publisher's decoding
+    (a chain of `depth` drafts is drafters.ttt_steps; a tree is eval.e2e.tree)."""
+    cfg = json.loads(json.dumps(cfg))
+    dec = head["decoding"]
+    if "drafters" in cfg:
+        cfg["drafters"]["variants"] = [head_variant(head)]
+        if dec["mode"] == "chain":
+            cfg["drafters"]["ttt_steps"] = dec.get("depth", cfg["drafters"]["ttt_steps"])
+    if "eval" in cfg:
+        if dec["mode"] == "tree":
+            cfg["eval"]["e2e"]["tree"] = {k: dec[k] for k in ("depth", "topk", "total_tokens")}
+        if dec.get("max_new_tokens"):
+            cfg["eval"]["e2e"]["max_new_tokens"] = dec["max_new_tokens"]
+    return cfg
+
+
+def published_table(published: dict, results: str | Path, out: str | Path) -> dict:
+    """results/published/table.md: each head's tau (eval-e2e, its publisher's mode, T = 0) beside
+    the publisher's figures, with the relative difference and a verdict against `tolerance`
+    (judged on MT-Bench, the paper config's prompt suite; the other benchmarks are shown, not run)."""
+    from .io import write_text
+
+    tol = float(published["tolerance"])
+    lines = [f"# Published EAGLE-3 heads through kvshot's harness (tolerance {tol:.0%}, docs/published-heads.md)", "",
+             "| head | decoding | T | benchmark | published tau | our tau | rel. diff | verdict | lossless |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for head in published["heads"]:
+        e2e = json.loads((Path(results) / head["name"] / "e2e.json").read_text())
+        mode = head["decoding"]["mode"]
+        ours = e2e["modes"][mode]["tau"]
+        lossless = bool(e2e.get("lossless"))
+        dec = head["decoding"]
+        shape = f"chain {dec.get('depth')}" if mode == "chain" else \
+            f"tree {dec['depth']}/{dec['topk']}/{dec['total_tokens']}"
+        for temp, figures in head["published"].items():
+            for bench, theirs in figures.items():
+                judged = temp == "T0" and bench == "mtbench"
+                diff = (ours - theirs) / theirs if judged else None
+                verdict = ("within" if abs(diff) <= tol else "outside") if judged else "not run (other prompts/T)"
+                rows.append({"head": head["name"], "mode": mode, "T": temp, "benchmark": bench, "published": theirs,
+                             "ours": ours if judged else None, "rel_diff": diff, "verdict": verdict,
+                             "lossless": lossless})
+                lines.append(f"| {head['name']} | {shape} | {temp[1:]} | {bench} | {theirs:.2f} | "
+                             f"{f'{ours:.2f}' if judged else '-'} | {f'{diff:+.1%}' if judged else '-'} | {verdict} | "
+                             f"{'yes' if lossless else 'NO'} |")
+    lines += ["", "Our tau: eval-e2e on the paper config's e2e prompts at T = 0 (greedy), the publisher's chain or "
+              "tree; sources: config `published.heads[].source`."]
+    write_text(out, "\n".join(lines) + "\n")
+    return {"out": str(out), "rows": rows}
+
+
 __all__ = ["LAYOUTS", "AUX_CONVENTIONS", "hf_aux_layers", "detect_layout", "read_head_config", "head_from_tensors",
-           "import_head", "head_aux_layers", "eagle_aux_ids"]
+           "import_head", "head_aux_layers", "eagle_aux_ids", "resolve_weights", "head_variant",
+           "head_stage_config", "published_table"]
