@@ -4,21 +4,7 @@
 #   snakemake --cores all --configfile config/paper.yaml results/published/table.md
 # The head is read from the HF cache at its pinned revision (scripts/predownload_hub.py lists it;
 # offline runs set HF_HUB_OFFLINE=1) and imported by train-drafter's `weights:` path (kvshot.published).
-from kvshot.published import head_stage_config
-
-PUBLISHED = {h["name"]: h for h in (config.get("published") or {}).get("heads", [])}
-PUBLISHED_NAMES = "|".join(PUBLISHED) or "(?!)"   # (?!): none configured (the default config)
-
-
-def published_params(*sections):
-    """stage_params for one published head: its variant alone and its publisher's decoding."""
-
-    def params(wildcards):
-        return json.dumps(head_stage_config(stage_config(config, *sections), PUBLISHED[wildcards.variant]),
-                          sort_keys=True)
-
-    return params
-
+# PUBLISHED and published_params: common.smk.
 
 rule import_published:
     input:
