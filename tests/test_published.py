@@ -312,3 +312,33 @@ def test_unknown_or_unsupported_fields_are_refused(speculators_head, angelslim, 
     torch.save({**angelslim["tensors"], "midlayer.self_attn.q_norm.weight": torch.ones(4)}, bad / "pytorch_model.bin")
     with pytest.raises(FormatError, match="q_norm"):
         import_head(bad, tiny["model"], tmp_path / "y", aux_convention="sglang")
+
+
+# ---------------------------------------------------------------- the published-head target
+
+def test_publisher_decoding_and_the_table(tmp_path):
+    """Each head's stage config carries its publisher's chain or tree; the table sets our tau
+    beside theirs with the relative difference and a verdict against the tolerance."""
+    from kvshot.config import read_config
+    from kvshot.published import head_stage_config, published_table, resolve_weights
+
+    repo = __import__("pathlib").Path(__file__).resolve().parents[1]
+    cfg = read_config([str(repo / "config/config.yaml"), str(repo / "config/paper.yaml")])
+    heads = {h["name"]: h for h in cfg["published"]["heads"]}
+    redhat = head_stage_config(stage_config(cfg, "target", "drafters", "eval"), heads["redhat-eagle3"])
+    assert redhat["drafters"]["ttt_steps"] == 7 and redhat["drafters"]["variants"] == [
+        {"name": "redhat-eagle3", "paradigm": "hidden", "layers": 1, "format": "speculators",
+         "weights": "hub:RedHatAI/Qwen3-8B-speculator.eagle3@08610ffa01dd9f16731fe8f627b85905b6aa51c4"}]
+    angel = head_stage_config(stage_config(cfg, "target", "drafters", "eval"), heads["angelslim-eagle3"])
+    assert angel["eval"]["e2e"]["tree"] == {"depth": 6, "topk": 10, "total_tokens": 60}
+    assert resolve_weights("/some/folder") == "/some/folder"
+    for name, tau in (("redhat-eagle3", 2.80), ("angelslim-eagle3", 3.00)):
+        (tmp_path / name).mkdir()
+        mode = heads[name]["decoding"]["mode"]
+        (tmp_path / name / "e2e.json").write_text(json.dumps({"lossless": True, "modes": {mode: {"tau": tau}}}))
+    out = published_table(cfg["published"], tmp_path, tmp_path / "table.md")
+    judged = {r["head"]: r for r in out["rows"] if r["ours"] is not None}
+    assert judged["redhat-eagle3"]["verdict"] == "within"      # 2.80 vs 2.72: +2.9%
+    assert judged["angelslim-eagle3"]["verdict"] == "outside"  # 3.00 vs 3.65: -17.8%
+    text = (tmp_path / "table.md").read_text()
+    assert "| redhat-eagle3 | chain 7 | 0 | mtbench | 2.72 | 2.80 | +2.9% | within | yes |" in text
