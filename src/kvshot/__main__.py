@@ -50,7 +50,7 @@ def _cmd_train_drafter(args, cfg) -> dict:
 
     entry = next((v for v in cfg["drafters"]["variants"] if v["name"] == args.variant), {})
     if entry.get("weights"):   # a published head (variant `weights:`): imported, not trained
-        from .export import import_variant
+        from .published import import_variant
 
         return import_variant(cfg, args.variant, args.target, args.train_features, args.out)
     if args.seed is not None:
@@ -73,7 +73,7 @@ def _cmd_export(args, cfg) -> dict:
 
 
 def _cmd_import(args, cfg) -> dict:
-    from .export import import_eagle3
+    from .published import import_eagle3
 
     # eagle3: either layout, found from config.json; speculators: vLLM's layout only
     layout = "auto" if args.format == "eagle3" else args.format

@@ -28,7 +28,8 @@ from torch import Tensor
 
 from .drafters import DrafterConfig, build_drafter
 from .drafters.hidden import HiddenDrafter
-from .export import (EAGLE3_NAMES, FormatError, read_eagle3, target_config, target_embedding)
+from .export import EAGLE3_NAMES, FormatError, read_eagle3, target_config, target_embedding
+from .io import read_json
 from .taps import eagle3_aux_layers
 
 LAYOUTS = ("eagle3", "speculators")
@@ -328,6 +329,51 @@ def published_table(published: dict, results: str | Path, out: str | Path) -> di
     return {"out": str(out), "rows": rows}
 
 
+# ---------------------------------------------------------------- the import entry points
+
+def drafter_from_eagle3(config: dict, tensors: dict[str, Tensor], embed: Tensor | None,
+                        where: str = "checkpoint") -> HiddenDrafter:
+    """A kvshot HiddenDrafter with a head's weights (either layout, `kvshot.published`). `embed`:
+    the target's embedding, unless the head carries its own (`embed_tokens.weight`, which then wins)."""
+    layout, cfg, _ = read_head_config(config, f"{where}/config.json")
+    return head_from_tensors(cfg, layout, tensors, embed, where)
+
+
+def import_eagle3(ckpt_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
+                  extra_files: dict | None = None, layout: str = "auto", aux_convention: str | None = None) -> dict:
+    """Read an EAGLE-3 head folder (SpecForge/SGLang's eagle3 layout or vLLM's speculators
+    layout, `kvshot.published`) into a kvshot drafter folder (`load_drafter` reads it)."""
+    return import_head(ckpt_dir, target_dir, out_dir, layout, aux_convention, extra_files)
+
+
+def import_variant(cfg: dict, name: str, target_dir: str, features_dir: str, out_dir: str) -> dict:
+    """The `train-drafter` stage for a variant whose weights come from a path: import, no
+    training. The head must fuse the target layers the features hold (eval reads those)."""
+    from .variants import variant_config
+
+    v = variant_config(cfg, name)
+    where = f"config: drafters.variants.{name}"
+    layout = v.get("format", "eagle3")
+    if layout not in LAYOUTS or v["paradigm"] != "hidden" or v["layers"] != 1:
+        raise FormatError(f"{where}: weights: only a one-layer hidden-paradigm head in format eagle3 or speculators "
+                          "can be imported")
+    index = Path(features_dir) / "index.json"
+    held = read_json(index)["spec"]["aux_layers"] if index.is_file() else None
+    weights = resolve_weights(v["weights"])   # a path, or hub:REPO@REVISION from the HF cache
+    aux = head_aux_layers(weights, target_config(target_dir)["num_hidden_layers"], v.get("aux_convention"))
+    if held is not None and list(aux) != list(held):
+        raise FormatError(f"{where}.weights: the head fuses target layers {list(aux)} (hidden_states indices), the "
+                          f"features hold {list(held)} (set features.aux_layers to match)")
+    metrics = {"variant": name, "paradigm": "hidden", "layers": 1, "steps": 0, "stopped_by": "imported",
+               "imported_from": v["weights"], "train_seconds": 0.0}
+    # the files a trained drafter's folder has (the report reads them); no training log
+    summary = import_eagle3(weights, target_dir, out_dir,
+                            {"metrics.json": metrics, "train_log.json": [], "variant.json": v},
+                            layout, v.get("aux_convention"))
+    return {**metrics, "draft_vocab_size": summary["draft_vocab_size"]}
+
+
 __all__ = ["LAYOUTS", "AUX_CONVENTIONS", "hf_aux_layers", "detect_layout", "read_head_config", "head_from_tensors",
            "import_head", "head_aux_layers", "eagle_aux_ids", "resolve_weights", "head_variant",
-           "head_stage_config", "published_table"]
+           "head_stage_config", "published_table", "drafter_from_eagle3", "import_eagle3",
+           "import_variant"]
