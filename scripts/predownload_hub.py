@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Put every HF hub repo a config reads into the HF cache at its pinned revision, for compute
-nodes without internet: the pretrained target and tokenizer, the hub data sources and the eval
-prompt sources. Run it on a login node with HF_HOME set to a shared folder, then run the
+nodes without internet: the pretrained target and tokenizer, the hub data sources, the eval
+prompt sources and the published heads (published.heads). Run it on a login node with HF_HOME set to a shared folder, then run the
 pipeline with HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 and the same HF_HOME.
 
     python scripts/predownload_hub.py                 # print the `hf download` commands
@@ -53,6 +53,9 @@ def hub_downloads(cfg: dict) -> list[dict]:
         files = src.get("data_files")
         files = None if files is None else ([files] if isinstance(files, str) else list(files)) + ["README.md"]
         add("dataset", src["name"], src.get("revision"), files, f"{field}[{src['name']}]")
+    for head in (cfg.get("published") or {}).get("heads", []):   # the head's config and weights only
+        add("model", head["repo"], head.get("revision"), ["config.json", "*.safetensors", "*.safetensors.index.json",
+                                                          "pytorch_model.bin"], f"published.heads[{head['name']}]")
     return list(wanted.values())
 
 

@@ -4,7 +4,9 @@ Converts an EAGLE-3 checkpoint with speculators' own converter, loads the result
 Eagle3DraftModel (the token embedding comes from the verifier folder, as in serving), runs
 its TTT forward on the given inputs and saves the draft logits of every step.
 
-usage: speculators_eagle3.py CHECKPOINT VERIFIER INPUTS WORKDIR OUT STEPS AUX_IDS
+usage: speculators_eagle3.py CHECKPOINT VERIFIER INPUTS WORKDIR OUT STEPS AUX_IDS [NORM_BEFORE_RESIDUAL]
+  NORM_BEFORE_RESIDUAL: 1 converts with norm_before_residual on (RedHatAI's heads); the converted
+  folder (WORKDIR/speculators) is speculators' own layout and config, kept for kvshot to import
   INPUTS: safetensors with hidden_states [1, T, 3H], input_ids [1, T], position_ids [1, T]
   OUT: safetensors with logits [STEPS, T, N], d2t, t2d, embed; metadata: the converted names
 """
@@ -19,10 +21,11 @@ from speculators.convert.eagle import Eagle3Converter
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
 
-def main(checkpoint, verifier, inputs, workdir, out, steps, aux_ids):
+def main(checkpoint, verifier, inputs, workdir, out, steps, aux_ids, norm_before_residual="0"):
     converted = Path(workdir) / "speculators"
     # the converter does not read the checkpoint's eagle_config: the aux layers are an argument
     Eagle3Converter().convert(checkpoint, converted, base_model=verifier, validate=True,
+                              norm_before_residual=norm_before_residual == "1",
                               eagle_aux_hidden_state_layer_ids=[int(i) for i in aux_ids.split(",")])
     config = Eagle3SpeculatorConfig.from_pretrained(converted)
     config.transformer_layer_config._attn_implementation = "eager"   # dense masks on CPU, no flex kernels
@@ -56,4 +59,4 @@ def verifier_embedding_equals(model, verifier) -> bool:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:8])
+    main(*sys.argv[1:9])

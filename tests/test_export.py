@@ -17,7 +17,8 @@ from transformers import LlamaConfig
 from kvshot.__main__ import main
 from kvshot.config import stage_config
 from kvshot.drafters import DrafterConfig, build_drafter, load_drafter
-from kvshot.export import EAGLE3_TENSORS, FormatError, export_eagle3, import_eagle3
+from kvshot.export import EAGLE3_TENSORS, FormatError, export_eagle3
+from kvshot.published import import_eagle3
 from kvshot.features import open_features
 from kvshot.target import load_target
 from kvshot.train import build_variant, draft_vocab

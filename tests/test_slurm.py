@@ -69,7 +69,7 @@ def parse_dry_run(out: str) -> list[dict]:
 # One dry run per group (a dry run of the paper DAG takes ~10 s); regenerate_data exists only
 # with data.regenerate.enabled, an overlay of its own.
 PAPER_TARGETS = ("all", "figures/scaling.pdf", "figures/blockwise.pdf", "results/export/eagle3",
-                 "results/plateau/claims.md")
+                 "results/plateau/claims.md", "results/published/table.md")
 REGENERATE_TARGETS = ("regenerate_data",)
 REGENERATE_OVERLAY = "data:\n  regenerate:\n    enabled: true\n"
 GPU_PARTITION, CPU_PARTITION, CPUS_PER_GPU = "gpu", "cpu", 8
@@ -204,6 +204,9 @@ def test_paper_dry_run_job_counts(paper_dry_run):
     assert (count["train_drafter"], count["scaling_train"], count["plateau_train"]) == (6, 15, 6)
     assert (count["blockwise_train"], count["blockwise_stepwise"], count["blockwise_e2e"]) == (8, 8, 8)   # 6 block + 2 remedies
     assert count["export_eagle3"] == 1
+    # the published heads (paper config published.heads): imported, then the same evaluation
+    assert (count["import_published"], count["published_stepwise"], count["published_e2e"],
+            count["published_table"]) == (2, 2, 2, 1)
     cpu_job = sbatch_options(next(j for j in jobs if j["rule"] == "prepare_data"))
     assert "-p cpu" in cpu_job and "--gpus" not in cpu_job and "--cpus-per-task=1" in cpu_job
 
@@ -259,6 +262,7 @@ def test_predownload_fetches_every_hub_repo_at_its_pinned_revision():
     cfg = read_config([str(REPO / "config/config.yaml"), str(REPO / "config/paper.yaml")])
     repos = {cfg["target"]["name"]: cfg["target"]["revision"]}
     repos |= {s["name"]: s.get("revision", "main") for s in cfg["data"]["sources"] + cfg["eval"]["prompt_sources"]}
+    repos |= {h["repo"]: h["revision"] for h in cfg["published"]["heads"]}   # pinned commits
     got = {c[c.index("download") + 1] if c[2] != "--repo-type" else c[4]: c[c.index("--revision") + 1]
            for c in commands}
     assert got == repos

@@ -50,7 +50,7 @@ def _cmd_train_drafter(args, cfg) -> dict:
 
     entry = next((v for v in cfg["drafters"]["variants"] if v["name"] == args.variant), {})
     if entry.get("weights"):   # a published head (variant `weights:`): imported, not trained
-        from .export import import_variant
+        from .published import import_variant
 
         return import_variant(cfg, args.variant, args.target, args.train_features, args.out)
     if args.seed is not None:
@@ -73,9 +73,11 @@ def _cmd_export(args, cfg) -> dict:
 
 
 def _cmd_import(args, cfg) -> dict:
-    from .export import import_eagle3
+    from .published import import_eagle3
 
-    return import_eagle3(args.checkpoint, args.target, args.out)
+    # eagle3: either layout, found from config.json; speculators: vLLM's layout only
+    layout = "auto" if args.format == "eagle3" else args.format
+    return import_eagle3(args.checkpoint, args.target, args.out, layout=layout, aux_convention=args.aux_convention)
 
 
 def _cmd_target_continuations(args, cfg) -> dict:
@@ -132,6 +134,14 @@ def _cmd_blockwise_report(args, cfg) -> dict:
                                 remedies, hybrids, main, args.decay_figure, args.depth_figure)
 
 
+def _cmd_published_table(args, cfg) -> dict:
+    from .published import published_table
+
+    if not (cfg.get("published") or {}).get("heads"):
+        raise ConfigError("config: published.heads: no published heads to tabulate")
+    return published_table(cfg["published"], args.results, args.table)
+
+
 def _cmd_readme(args, cfg) -> dict:
     from .report import update_readme
 
@@ -154,6 +164,7 @@ STAGES = {
     "scaling-report": (_cmd_scaling_report, ("drafters", "scaling")),
     "blockwise-report": (_cmd_blockwise_report, ("drafters", "blockwise")),
     "readme": (_cmd_readme, ("drafters",)),
+    "published-table": (_cmd_published_table, ("published",)),
     "export": (_cmd_export, ("features",)),
     "import": (_cmd_import, ()),
 }
@@ -174,6 +185,7 @@ STAGE_HELP = {
     "report": "tables, figures and the claims verdict from the result files",
     "scaling-report": "MAT against the number of training samples (figures/scaling.pdf)",
     "blockwise-report": "block-wise drafters vs the KV-only chains: figures/blockwise.pdf, table, verdicts",
+    "published-table": "published heads' tau (results/published/<head>/e2e.json) beside the publishers' figures",
 }
 # what each path flag names (every one required)
 PATH_HELP = {
@@ -224,6 +236,7 @@ def parser() -> argparse.ArgumentParser:
         "e2e-timing": ("reference", "hybrid", "target", "prompts", "features-index", "out"),
         "scaling-report": ("results", "figure", "table"),
         "blockwise-report": ("results", "figure", "table", "claims-md", "claims-json"),
+        "published-table": ("results", "table"),
         "report": ("results", "tables", "figures", "claims-md", "claims-json"),
     }
     for stage, names in paths.items():
@@ -270,7 +283,10 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("import", help="read an EAGLE-3 checkpoint folder into a kvshot drafter")
     s.add_argument("checkpoint", help="an EAGLE-3 checkpoint folder (config.json + weights)")
     s.add_argument("out", help="the kvshot drafter folder to write")
-    s.add_argument("--format", choices=["eagle3"], required=True, help="checkpoint layout")
+    s.add_argument("--format", choices=["eagle3", "speculators"], required=True,
+                   help="eagle3: an EAGLE-3 head in either layout (SpecForge/SGLang or speculators); speculators: that one only")
+    s.add_argument("--aux-convention", choices=["vllm", "sglang"], default=None,
+                   help="how the head's aux layer ids count: vllm (input of layer i, the default) or sglang (output of layer i)")
     s.add_argument("--target", required=True, help="the target folder (its embedding fills the drafter's)")
     s.add_argument("--config", action="append", default=None, help="optional config (not read by import)")
     s.add_argument("--threads", type=int, default=None, help="torch threads")

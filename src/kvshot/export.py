@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from .data import DataError
-from .drafters import DrafterConfig, build_drafter, load_drafter
+from .drafters import DrafterConfig, load_drafter
 from .drafters.hidden import HiddenDrafter
 from .io import atomic_dir, read_json, write_json
 
@@ -144,6 +144,8 @@ def eagle3_config(cfg: DrafterConfig, dtype: str, max_position_embeddings: int,
         "use_cache": True,
         "torch_dtype": dtype,
     }
+    if cfg.norm_before_residual:   # vLLM reads it from this config too; SGLang has no such switch
+        config["norm_before_residual"] = True
     if aux_layers is not None:
         config["eagle_config"] = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(aux_layers)}
     return config
@@ -203,100 +205,3 @@ def read_eagle3(ckpt_dir: str | Path) -> tuple[dict, dict[str, Tensor]]:
     else:
         raise FileNotFoundError(f"{folder}: no model.safetensors or pytorch_model.bin")
     return config, tensors
-
-
-def drafter_config_from_eagle3(config: dict, where: str) -> DrafterConfig:
-    arch = config.get("architectures") or []
-    if not any("Eagle3" in a for a in arch):
-        raise FormatError(f"{where}: architectures {arch}: not an EAGLE-3 checkpoint (want {EAGLE3_ARCHITECTURE})")
-    if config.get("num_hidden_layers", 1) != 1:
-        raise FormatError(f"{where}: num_hidden_layers {config['num_hidden_layers']}: kvshot imports one-layer heads")
-    h = config["hidden_size"]
-    if config.get("target_hidden_size", h) != h:
-        raise FormatError(f"{where}: target_hidden_size {config['target_hidden_size']} differs from hidden_size {h}: "
-                          "kvshot's drafter shares the target's width")
-    rope = config.get("rope_scaling") or (config.get("rope_parameters") or {})
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise FormatError(f"{where}: rope type {rope.get('rope_type', rope.get('type'))!r}: kvshot implements default RoPE")
-    theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    heads = config["num_attention_heads"]
-    return DrafterConfig(
-        paradigm="hidden", hidden_size=h, num_layers=1, num_attention_heads=heads,
-        num_key_value_heads=config.get("num_key_value_heads", heads), head_dim=config.get("head_dim") or h // heads,
-        intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"],
-        draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"], rope_theta=float(theta),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), qk_norm=False)
-
-
-def drafter_from_eagle3(config: dict, tensors: dict[str, Tensor], embed: Tensor, where: str = "checkpoint") -> HiddenDrafter:
-    """A kvshot HiddenDrafter with the checkpoint's weights. `embed`: the target's embedding,
-    unless the checkpoint carries its own (`embed_tokens.weight`, which then wins)."""
-    cfg = drafter_config_from_eagle3(config, f"{where}/config.json")
-    tensors = {k.removeprefix("model."): v for k, v in tensors.items()}   # some heads prefix every name
-    missing = sorted(set(EAGLE3_NAMES.values()) - set(tensors))
-    if missing:
-        raise FormatError(f"{where}: tensors {missing} missing (an EAGLE-3 head has {sorted(EAGLE3_NAMES.values())})")
-    model = build_drafter(cfg)
-    own = {ours: tensors[theirs].float() for ours, theirs in EAGLE3_NAMES.items()}
-    if "d2t" in tensors:
-        d2t = tensors["d2t"].long() + torch.arange(cfg.draft_vocab_size)   # offsets -> target ids
-    elif cfg.draft_vocab_size == cfg.vocab_size:
-        d2t = torch.arange(cfg.vocab_size)
-    else:
-        raise FormatError(f"{where}: no d2t for a draft vocabulary of {cfg.draft_vocab_size} < {cfg.vocab_size}")
-    if len(d2t) != cfg.draft_vocab_size or int(d2t.min()) < 0 or int(d2t.max()) >= cfg.vocab_size:
-        raise FormatError(f"{where}: d2t does not map {cfg.draft_vocab_size} draft ids into 0..{cfg.vocab_size - 1}")
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[d2t] = True
-    if "t2d" in tensors and not torch.equal(tensors["t2d"].bool(), t2d):
-        raise FormatError(f"{where}: t2d does not mark exactly the targets of d2t")
-    embed = tensors.get("embed_tokens.weight", embed).float()
-    if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise FormatError(f"{where}: the embedding is {tuple(embed.shape)}, the head needs ({cfg.vocab_size}, {cfg.hidden_size})")
-    result = model.load_state_dict({**own, "embed_tokens.weight": embed, "d2t": d2t, "t2d": t2d}, strict=True)
-    assert not result.missing_keys and not result.unexpected_keys
-    return model
-
-
-def import_eagle3(ckpt_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
-                  extra_files: dict | None = None) -> dict:
-    """Read an EAGLE-3 checkpoint folder into a kvshot drafter folder (`load_drafter` reads it)."""
-    config, tensors = read_eagle3(ckpt_dir)
-    tc = target_config(target_dir)
-    for key in ("hidden_size", "vocab_size"):
-        if config.get(key) != tc.get(key):
-            raise FormatError(f"{ckpt_dir}/config.json: {key} {config.get(key)} is not the target's {tc.get(key)} "
-                              f"({target_dir})")
-    embed = None if "embed_tokens.weight" in tensors else target_embedding(target_dir)
-    model = drafter_from_eagle3(config, tensors, embed, str(ckpt_dir))
-    aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    source = {"imported_from": str(ckpt_dir), "format": "eagle3", "aux_layers": aux,
-              "own_embedding": "embed_tokens.weight" in tensors}
-    model.save(out_dir, {"import.json": source, **(extra_files or {})})
-    return {"out": str(out_dir), **source, "draft_vocab_size": model.cfg.draft_vocab_size}
-
-
-def import_variant(cfg: dict, name: str, target_dir: str, features_dir: str, out_dir: str) -> dict:
-    """The `train-drafter` stage for a variant whose weights come from a path: import, no
-    training. The head must fuse the target layers the features hold (eval reads those)."""
-    from .variants import variant_config
-
-    v = variant_config(cfg, name)
-    where = f"config: drafters.variants.{name}"
-    if v.get("format", "eagle3") != "eagle3" or v["paradigm"] != "hidden" or v["layers"] != 1:
-        raise FormatError(f"{where}: weights: only a one-layer hidden-paradigm head in format eagle3 can be imported")
-    head_config = Path(v["weights"]) / "config.json"
-    if not head_config.is_file():
-        raise FileNotFoundError(f"{where}.weights: {head_config} missing (not an EAGLE-3 checkpoint folder)")
-    aux = (json.loads(head_config.read_text()).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    index = Path(features_dir) / "index.json"
-    held = read_json(index)["spec"]["aux_layers"] if index.is_file() else None
-    if aux is not None and held is not None and list(aux) != list(held):
-        raise FormatError(f"{where}.weights: the head fuses target layers {list(aux)}, the features hold {list(held)} "
-                          "(set features.aux_layers to match)")
-    metrics = {"variant": name, "paradigm": "hidden", "layers": 1, "steps": 0, "stopped_by": "imported",
-               "imported_from": v["weights"], "train_seconds": 0.0}
-    # the files a trained drafter's folder has (the report reads them); no training log
-    summary = import_eagle3(v["weights"], target_dir, out_dir,
-                            {"metrics.json": metrics, "train_log.json": [], "variant.json": v})
-    return {**metrics, "draft_vocab_size": summary["draft_vocab_size"]}

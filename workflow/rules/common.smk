@@ -68,6 +68,22 @@ def split_jsonl(wildcards):
     return f"results/data/{wildcards.split}.jsonl"
 
 
+# published heads (published.smk, config `published.heads`; none in the default config)
+PUBLISHED = {h["name"]: h for h in (config.get("published") or {}).get("heads", [])}
+PUBLISHED_NAMES = "|".join(PUBLISHED) or "(?!)"   # (?!): none configured (the default config)
+
+
+def published_params(*sections):
+    """stage_params for one published head: its variant alone and its publisher's decoding."""
+    from kvshot.published import head_stage_config
+
+    def params(wildcards):
+        return json.dumps(head_stage_config(stage_config(config, *sections), PUBLISHED[wildcards.variant]),
+                          sort_keys=True)
+
+    return params
+
+
 def log_path(rule_name, suffix=""):
     return f"logs/{rule_name}{suffix}.log"
 

@@ -31,7 +31,12 @@ class HiddenDrafter(Drafter):
     def hidden_layer(self, state: StepState, i: int, emb: Tensor, h: Tensor, rot: Rotary,
                      k: int) -> tuple[Tensor, Rotary]:
         layer = self.layers[i]
-        x = torch.cat([self.input_norm(emb), self.hidden_norm(h)], dim=-1) if i == 0 else h
+        x = h
+        if i == 0:
+            normed = self.hidden_norm(h)
+            x = torch.cat([self.input_norm(emb), normed], dim=-1)
+            if self.cfg.norm_before_residual:   # speculators/vLLM: the residual is the normed hidden state
+                h = normed
         q, keys = layer.self_attn.project(layer.attn_norm(x), rot)
         add_own_keys(state, i, keys, k, state.extra.get("valid"))
         if state.pack_after_prefix is not None and i == len(self.layers) - 1:

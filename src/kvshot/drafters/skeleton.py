@@ -50,6 +50,7 @@ class DrafterConfig:
     block_size: int = 0                # block paradigm: query slots per block (x_{t+1}, then block_size - 1 masks)
     block_context: str = "kv"          # block paradigm: kv (the target's KV cache) | hidden (fused aux hidden states)
     block_refine: int = 0              # block paradigm: refinement passes, each re-reading the previous pass's tokens
+    norm_before_residual: bool = False  # hidden paradigm, layer 0: the residual is hidden_norm(h), not h (speculators' switch)
 
     def save(self, path: Path) -> None:
         # HF-style self-description first (docs/drafter_format.md), then the fields
