@@ -204,8 +204,8 @@ class PaperShapes:
         ids = torch.ones(1, self.cfg["eval"]["natural"]["max_prefix_len"], dtype=torch.long)
         aux = self.spec.aux_layers if model.reads_aux_hidden else None
         for mode, spec in specs(self.cfg).items():
-            if mode not in modes:
-                continue
+            if mode not in modes or (mode != "chain" and getattr(model, "block_wise", False)):
+                continue   # a block drafter drafts chains only (as eval_e2e runs it)
             prefill: list[Row] = []
             with self._measure(prefill, "prefill", name, "call", 1):
                 speculative_generate(self.target, model, ids, 1, None, aux, spec)
