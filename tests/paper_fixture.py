@@ -1,5 +1,6 @@
 """A Hugging Face hub cache as the paper run would find it on an offline cluster node, in
-miniature: a random-weight Qwen3 saved with `save_pretrained` under `Qwen/Qwen3-8B`, a
+miniature: a random-weight Qwen3 saved with `save_pretrained` under the config's target
+(`Qwen/Qwen3-8B` for config/paper.yaml, `Qwen/Qwen3-1.7B` for config/one-gpu.yaml), a
 byte-level BPE carrying Qwen3's special tokens and a chat template with Qwen3's thinking
 switch, and the three hub datasets in their own schemas and file layouts, filled with real
 ShareGPT text from the packaged file.
@@ -57,23 +58,26 @@ configs:
 """
 
 
-def pinned_revisions() -> dict[str, str]:
-    """repo id -> the revision config/paper.yaml pins for it (a commit, or a branch name)."""
+PAPER = "config/paper.yaml"
+
+
+def pinned_revisions(config: str = PAPER) -> dict[str, str]:
+    """repo id -> the revision the config pins for it (a commit, or a branch name)."""
     import yaml
 
     from .conftest import REPO
 
-    cfg = yaml.safe_load((REPO / "config/paper.yaml").read_text())
+    cfg = yaml.safe_load((REPO / config).read_text())
     pins = {cfg["target"]["name"]: cfg["target"].get("revision"), cfg["tokenizer"]["name"]: cfg["tokenizer"].get("revision")}
     for src in cfg["data"]["sources"] + cfg["eval"].get("prompt_sources", []):
         pins[src["name"]] = src.get("revision")
     return {repo: rev for repo, rev in pins.items() if rev}
 
 
-def _snapshot(cache: Path, kind: str, repo: str) -> Path:
-    """models--Owner--Name / datasets--Owner--Name at the revision paper.yaml pins (what
+def _snapshot(cache: Path, kind: str, repo: str, config: str = PAPER) -> Path:
+    """models--Owner--Name / datasets--Owner--Name at the revision the config pins (what
     `hf download --revision` leaves), refs/main pointing at it; returns the snapshot folder."""
-    rev = pinned_revisions().get(repo, "main")
+    rev = pinned_revisions(config).get(repo, "main")
     commit = rev if len(rev) == 40 and all(c in "0123456789abcdef" for c in rev) else COMMIT
     top = cache / f"{kind}--{repo.replace('/', '--')}"
     (top / "refs").mkdir(parents=True, exist_ok=True)
@@ -113,38 +117,48 @@ def _tokenizer(texts: list[str], vocab_size: int):
     return fast
 
 
-def build_hub_cache(root: Path, conversations: int = 160, vocab_size: int = 512) -> Path:
-    """Write the fake hub cache under root/hub; returns its path (set HF_HUB_CACHE to it)."""
+def build_hub_cache(root: Path, conversations: int = 160, vocab_size: int = 512, config: str = PAPER) -> Path:
+    """Write the fake hub cache under root/hub for the config's target and hub datasets at its
+    pinned revisions; returns its path (set HF_HUB_CACHE to it). The target ties its embedding
+    and head as the real model does (Qwen3-1.7B and 0.6B tie, Qwen3-8B does not)."""
     import datasets
     import torch
+    import yaml
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from kvshot.shape_rules import QWEN3_ARCHS
+
+    from .conftest import REPO
+
+    target = yaml.safe_load((REPO / config).read_text())["target"]["name"]
+    tied = QWEN3_ARCHS[target]["tie_word_embeddings"]
 
     cache = root / "hub"
     convs = real_conversations(conversations)
     half = len(convs) // 2
     texts = ["".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in c) for c in convs]
 
-    snap = _snapshot(cache, "models", "Qwen/Qwen3-8B")
+    snap = _snapshot(cache, "models", target, config)
     tokenizer = _tokenizer(texts, vocab_size)
     tokenizer.save_pretrained(snap)
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+    arch = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                         rope_theta=1_000_000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
+                         rope_theta=1_000_000.0, tie_word_embeddings=tied, torch_dtype="bfloat16",
                          bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model = Qwen3ForCausalLM(arch).to(torch.bfloat16)
     model.save_pretrained(snap)
 
     # Aeala/ShareGPT_Vicuna_unfiltered: one JSON array of {id, conversations: [{from, value}]}
     role = {"user": "human", "assistant": "gpt", "system": "system"}
     sharegpt = [{"id": f"sg{i}", "conversations": [{"from": role[m["role"]], "value": m["content"]} for m in c]}
                 for i, c in enumerate(convs[:half])]
-    snap = _snapshot(cache, "datasets", "Aeala/ShareGPT_Vicuna_unfiltered")
+    snap = _snapshot(cache, "datasets", "Aeala/ShareGPT_Vicuna_unfiltered", config)
     (snap / "ShareGPT_V4.3_unfiltered_cleaned_split.json").write_text(json.dumps(sharegpt))
 
     # HuggingFaceH4/ultrachat_200k: parquet shards per split, {prompt, prompt_id, messages}
-    snap = _snapshot(cache, "datasets", "HuggingFaceH4/ultrachat_200k")
+    snap = _snapshot(cache, "datasets", "HuggingFaceH4/ultrachat_200k", config)
     (snap / "README.md").write_text(ULTRACHAT_README)
     (snap / "data").mkdir(exist_ok=True)
     rows = [{"prompt": c[0]["content"], "prompt_id": f"uc{i}", "messages": c} for i, c in enumerate(convs[half:])]
@@ -152,7 +166,7 @@ def build_hub_cache(root: Path, conversations: int = 160, vocab_size: int = 512)
     datasets.Dataset.from_list(rows[:4]).to_parquet(str(snap / "data/test_sft-00000-of-00001.parquet"))
 
     # HuggingFaceH4/mt_bench_prompts: {prompt: [turn 1, turn 2], category, prompt_id, reference}
-    snap = _snapshot(cache, "datasets", "HuggingFaceH4/mt_bench_prompts")
+    snap = _snapshot(cache, "datasets", "HuggingFaceH4/mt_bench_prompts", config)
     (snap / "README.md").write_text(MTBENCH_README)
     (snap / "data").mkdir(exist_ok=True)
     prompts = [{"prompt": [c[0]["content"][:200], "Explain your answer."], "category": "writing",

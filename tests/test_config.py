@@ -15,7 +15,7 @@ from .conftest import REPO
 DEFAULT = str(REPO / "config/config.yaml")
 
 
-@pytest.mark.parametrize("name", ["config.yaml", "smoke.yaml", "paper.yaml"])
+@pytest.mark.parametrize("name", ["config.yaml", "smoke.yaml", "paper.yaml", "one-gpu.yaml"])
 def test_shipped_configs_validate(name):
     specs = [DEFAULT] if name == "config.yaml" else [DEFAULT, str(REPO / "config" / name)]
     cfg = read_config(specs)
@@ -29,6 +29,23 @@ def test_paper_config_is_the_paper_setup():
     names = {s["name"] for s in cfg["data"]["sources"]}
     assert names == {"Aeala/ShareGPT_Vicuna_unfiltered", "HuggingFaceH4/ultrachat_200k"}
     assert cfg["data"]["train_samples"] == 280000 and cfg["scaling"]["train_samples"] == [70000, 140000, 280000]
+
+
+def test_one_gpu_config_is_the_paper_study_on_one_gpu():
+    """config/one-gpu.yaml: a pinned Qwen3-1.7B, one process per job, the paper's six drafters,
+    data sources and natural protocol (sized for P1 and retention: docs/statistics.md)."""
+    paper = read_config([DEFAULT, str(REPO / "config/paper.yaml")])
+    cfg = read_config([DEFAULT, str(REPO / "config/one-gpu.yaml")])
+    for part in ("target", "tokenizer"):
+        assert cfg[part]["name"] == "Qwen/Qwen3-1.7B" and cfg[part]["source"] == "pretrained"
+        assert len(cfg[part]["revision"]) == 40 and int(cfg[part]["revision"], 16) >= 0
+    assert cfg["device"] == "cuda" and cfg["dtype"] == "bfloat16" and cfg["features"]["mode"] == "online"
+    assert cfg["drafters"]["train"]["num_processes"] == 1 and len(cfg["drafters"]["seeds"]) == 3
+    assert cfg["drafters"]["variants"] == paper["drafters"]["variants"]
+    assert cfg["data"]["sources"] == paper["data"]["sources"]
+    assert cfg["eval"]["prompt_sources"] == paper["eval"]["prompt_sources"]
+    assert cfg["eval"]["natural"] == paper["eval"]["natural"] and cfg["eval"]["natural"]["anchors"] >= 41000
+    assert cfg["drafters"]["ttt_steps"] == paper["drafters"]["ttt_steps"]
 
 
 def _overlay(tmp_path, text: str) -> str:

@@ -2,7 +2,9 @@
 ones) dry-run through profiles/slurm books what each job runs (one GPU per process it launches
 on one node: 8 GPUs x 8 CPUs for DDP training, one GPU for the other device jobs; the CPU
 partition and no GPU for CPU-only rules), and the sbatch options the executor plugin derives
-from those resources. With the single-node cluster of scripts/slurm_local.sh (CI starts it): the smoke DAG
+from those resources; config/one-gpu.yaml through the same profile books one GPU per training
+job, and through the workstation launcher (`--resources gpu=1`) every device job asks for the
+one GPU. With the single-node cluster of scripts/slurm_local.sh (CI starts it): the smoke DAG
 through `sbatch`, and a training job killed by `scancel` that resumes when resubmitted."""
 from __future__ import annotations
 
@@ -75,9 +77,9 @@ REGENERATE_OVERLAY = "data:\n  regenerate:\n    enabled: true\n"
 GPU_PARTITION, CPU_PARTITION, CPUS_PER_GPU = "gpu", "cpu", 8
 
 
-def slurm_dry_run(wd, targets, *overlays) -> list[dict]:
+def slurm_dry_run(wd, targets, *overlays, config="config/paper.yaml") -> list[dict]:
     proc = snakemake(wd, *targets, "-n", "-p", "--profile", "profiles/slurm",
-                     "--configfile", "config/paper.yaml", *overlays, timeout=600)
+                     "--configfile", config, *overlays, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "warning" not in out.lower(), out[-3000:]
     return parse_dry_run(out)
@@ -240,6 +242,52 @@ def test_scaling_points_see_the_epochs_of_the_largest(paper_dry_run):
     epochs = {n: s * batch / n for n, s in steps.items()}
     assert max(epochs.values()) - min(epochs.values()) < batch / min(sizes)   # equal up to one step's rounding
     assert steps == {70000: 15000, 140000: 30000, 280000: 60000}
+
+
+# ---------------------------------------------------------------- one GPU (config/one-gpu.yaml)
+ONE_GPU = "config/one-gpu.yaml"
+
+
+@pytest.fixture(scope="module")
+def one_gpu_dry_run(tmp_path_factory):
+    wd = workdir(tmp_path_factory.mktemp("one_gpu_slurm"))
+    return wd, slurm_dry_run(wd, PAPER_TARGETS, config=ONE_GPU)
+
+
+def test_one_gpu_config_books_one_gpu_per_job_through_the_profile(one_gpu_dry_run):
+    """The same profile with config/one-gpu.yaml: num_processes 1, so every training job
+    launches one process (no accelerate) and books 1 GPU and 40 GB, every job as assert_booked."""
+    wd, jobs = one_gpu_dry_run
+    envs = rule_envs(wd, ONE_GPU)
+    for job in jobs:
+        assert_booked(job, envs)
+    train = [j for j in jobs if j["rule"] in TRAIN_RULES]
+    assert {j["rule"] for j in train} == TRAIN_RULES
+    for job in train:
+        assert job["shell"].startswith(launcher_command(1) + " train-drafter "), job["shell"][:120]
+        assert (job["resources"]["gpu"], job["resources"]["mem_mb"]) == ("1", "40000"), job["resources"]
+    cfg = read_config([str(REPO / "config/config.yaml"), str(REPO / ONE_GPU)])
+    seeds, variants = cfg["drafters"]["seeds"], cfg["drafters"]["variants"]
+    assert sum(j["rule"] == "train_drafter" for j in jobs) == len(seeds) * len(variants) == 18
+
+
+def test_one_gpu_config_on_a_workstation_serializes_the_gpu_jobs(tmp_path):
+    """`snakemake --cores all --resources gpu=1 --configfile config/one-gpu.yaml` (dry run): every
+    device job asks for gpu=1, so the scheduler runs them one at a time on the one GPU; CPU
+    jobs ask for none and run beside them."""
+    wd = workdir(tmp_path)
+    proc = snakemake(wd, "all", "-n", "-p", "--cores", "all", "--resources", "gpu=1",
+                     "--configfile", ONE_GPU, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "warning" not in out.lower(), out[-3000:]
+    jobs = parse_dry_run(out)
+    rules = {j["rule"] for j in jobs}
+    assert {"train_drafter", "eval_stepwise", "eval_e2e", "target", "capture_features"} <= rules
+    for job in jobs:
+        want = "1" if job["rule"] in DEVICE_RULES else None
+        assert job["resources"].get("gpu") == want, (job["rule"], job["resources"])
+        if job["rule"] in TRAIN_RULES:
+            assert launched_processes(job["shell"]) == 1, job["shell"][:120]
 
 
 def test_launcher_words_and_a_free_port():

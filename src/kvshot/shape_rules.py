@@ -39,6 +39,19 @@ from .ttt import label_positions, scored_tokens, step_losses, target_labels, wei
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
                 rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=False)
+# The smaller Qwen3s a config can name (config/one-gpu.yaml), from their config.json at the pinned revision
+QWEN3_ARCHS = {
+    "Qwen/Qwen3-8B": QWEN3_8B,
+    "Qwen/Qwen3-1.7B": {**QWEN3_8B, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+                        "num_attention_heads": 16, "tie_word_embeddings": True},
+    "Qwen/Qwen3-0.6B": {**QWEN3_8B, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                        "num_attention_heads": 16, "tie_word_embeddings": True},
+}
+
+
+def config_arch(cfg: dict) -> dict:
+    """The shapes of the config's pretrained target (QWEN3_ARCHS by hub name); Qwen3-8B otherwise."""
+    return QWEN3_ARCHS.get(cfg.get("target", {}).get("name"), QWEN3_8B)
 
 
 @dataclass
@@ -102,7 +115,7 @@ class PaperShapes:
 
     def __init__(self, cfg: dict, arch: dict | None = None, world: int | None = None):
         self.cfg = cfg
-        self.arch = arch or QWEN3_8B
+        self.arch = arch or config_arch(cfg)
         tc = cfg["drafters"]["train"]
         self.world = world or tc["num_processes"]
         self.length = tc["max_len"]
@@ -219,7 +232,7 @@ class PaperShapes:
         rows: list[Row] = []
         tp = self.cfg["target"]["pretrain"]
         blocks = torch.ones(tp["batch_size"], tp["block_size"], dtype=torch.long)
-        with self._measure(rows, "target heldout loss", "Qwen3-8B", "token", blocks.numel()):
+        with self._measure(rows, "target heldout loss", self.cfg["target"].get("name", "target"), "token", blocks.numel()):
             heldout_loss(self.target, blocks, tp["batch_size"], "cpu")
         ecfg, ncfg = self.cfg["eval"], self.cfg["eval"]["natural"]
         stub = SimpleNamespace(eos_token_id=None, pad_token_id=0)   # no EOS: every generation runs its length

@@ -107,6 +107,24 @@ def train_rank_threads():
     return rank_threads(config["device"], config["threads"])
 
 
+def gpus(processes=1):
+    """GPUs a job uses: one per process it launches with `device: cuda`, else none (`auto` may
+    fall back to the CPU). A workstation run with `--resources gpu=1` then runs the GPU jobs
+    one at a time; the SLURM executor books them (`--gpus`)."""
+    return processes if config["device"] == "cuda" else 0
+
+
+def train_gpus():
+    """A training job's GPUs: one per DDP process (drafters.train.num_processes) on CUDA."""
+    return gpus(config["drafters"]["train"]["num_processes"])
+
+
+def train_mem_mb():
+    """A training job's host memory: ~40 GB per CUDA process (each stages the target, plus
+    data: docs/paper-scale.md); 6 GB on CPU."""
+    return 40000 * train_gpus() if train_gpus() else 6000
+
+
 def train_threads():
     """A training job's threads: every process's own; the SLURM profile books them as
     cpus_per_gpu instead (its cpus per GPU = the config's `threads`)."""

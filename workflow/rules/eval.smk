@@ -16,6 +16,7 @@ rule target_continuations:
         DEVICE_ENV
     threads: 1
     resources:
+        gpu=gpus(),
         mem_mb=4000,
         runtime=60,
     shell:
@@ -45,6 +46,7 @@ rule eval_stepwise:
         DEVICE_ENV
     threads: 1
     resources:
+        gpu=gpus(),
         mem_mb=4000,
         runtime=60,
     shell:
@@ -74,6 +76,7 @@ rule eval_e2e:
         DEVICE_ENV
     threads: 1
     resources:
+        gpu=gpus(),
         mem_mb=4000,
         runtime=60,
     shell:
@@ -101,6 +104,7 @@ rule e2e_timing:
         DEVICE_ENV
     threads: 1
     resources:
+        gpu=gpus(),
         mem_mb=4000,
         runtime=60,
     shell:

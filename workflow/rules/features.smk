@@ -16,6 +16,7 @@ rule capture_features:
         DEVICE_ENV
     threads: 1
     resources:
+        gpu=gpus(),
         mem_mb=8000,
         runtime=60,
     shell:

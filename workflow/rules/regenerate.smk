@@ -20,6 +20,7 @@ rule regenerate_data:
         DEVICE_ENV
     threads: 1
     resources:
+        gpu=gpus(),
         mem_mb=8000,
         runtime=60,
     shell:

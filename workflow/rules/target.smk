@@ -37,6 +37,7 @@ rule target:
         DEVICE_ENV
     threads: config["threads"]  # Snakemake caps it at --cores
     resources:
+        gpu=gpus(),
         mem_mb=8000,
         runtime=120,
     shell:

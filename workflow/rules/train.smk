@@ -27,7 +27,8 @@ rule train_drafter:
         DEVICE_ENV
     threads: train_threads()
     resources:
-        mem_mb=6000,
+        gpu=train_gpus(),   # SLURM books these (profiles/slurm); a workstation caps them (--resources gpu=1)
+        mem_mb=train_mem_mb(),
         runtime=240,
     # --runtime-minutes: the trainer saves and stops gracefully well before the job's time
     # limit; the retry (profile `retries`) resumes from results/drafters/<variant>/seed<N>.ckpt/.
