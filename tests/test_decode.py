@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvshot.data import read_jsonl, render_chat
-from kvshot import decode
+from kvshot import decode, draft_tree
 from kvshot.decode import (Draft, DraftSpec, drafter_context, draft, keep_path, plain_generate,
                            sample_without_replacement, speculative_generate, tree_attention, verify_greedy,
                            verify_sampling)
@@ -515,7 +515,7 @@ BROKEN = {   # verifier parts replaced by wrong ones
 @pytest.mark.parametrize("broken", list(BROKEN))
 def test_markov_test_rejects_a_broken_verifier(broken, monkeypatch, one_thread):
     """The same test, same sample size, rejects each broken verifier at ALPHA."""
-    monkeypatch.setattr(decode, *BROKEN[broken])
+    monkeypatch.setattr(draft_tree, *BROKEN[broken])
     seqs, _ = markov_sequences(MARKOV_SPECS["tree-budget"], MARKOV_N)
     assert min(markov_pvalues(seqs)) < ALPHA, (broken, markov_pvalues(seqs))
 
@@ -573,7 +573,7 @@ def test_tree_sampling_reproduces_target_distribution(world, monkeypatch, one_th
 
 
 def test_tree_sampling_test_rejects_a_broken_verifier(world, monkeypatch, one_thread):
-    monkeypatch.setattr(decode, *BROKEN["accept-every-draft"])
+    monkeypatch.setattr(draft_tree, *BROKEN["accept-every-draft"])
     seqs, _ = tree_decodes(world, monkeypatch)
     assert min(target_pvalues(world, world["prompts"][2], seqs, 1.0)) < ALPHA
 
