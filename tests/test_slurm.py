@@ -311,6 +311,8 @@ def test_predownload_fetches_every_hub_repo_at_its_pinned_revision():
     repos = {cfg["target"]["name"]: cfg["target"]["revision"]}
     repos |= {s["name"]: s.get("revision", "main") for s in cfg["data"]["sources"] + cfg["eval"]["prompt_sources"]}
     repos |= {h["repo"]: h["revision"] for h in cfg["published"]["heads"]}   # pinned commits
+    repos |= {b["dataset"]: b.get("revision", "main") for b in cfg["eval"]["e2e"]["benchmarks"]["sets"]
+              if b["kind"] == "hub"}
     got = {c[c.index("download") + 1] if c[2] != "--repo-type" else c[4]: c[c.index("--revision") + 1]
            for c in commands}
     assert got == repos
