@@ -127,3 +127,34 @@ def test_table_has_benchmark_columns_and_temperature_row_groups(bench_run, tmp_p
     assert r"\multicolumn{2}{c}{humaneval}" in tex and "$T = 1$" in tex
     figure(records, tmp_path / "benchmarks.pdf")
     assert (tmp_path / "benchmarks.pdf").read_bytes().startswith(b"%PDF")
+
+
+LOAD_PAPER_SETS = """
+import json, sys, yaml
+from kvshot.benchmarks import benchmark_conversations
+sets = yaml.safe_load(open(sys.argv[1]))["eval"]["e2e"]["benchmarks"]["sets"]
+print(json.dumps({b["name"]: benchmark_conversations(b, "unused.jsonl", 3) for b in sets}))
+"""
+
+
+def test_paper_hub_sets_load_offline_from_the_cache_through_their_schemas(tmp_path):
+    """The paper config's sets (MT-Bench, HumanEval, GSM8K, Alpaca) resolve offline from a hub
+    cache laid out as `scripts/predownload_hub.py` leaves it, each record one user turn."""
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+    from .paper_fixture import build_hub_cache, offline_env
+
+    cache = build_hub_cache(tmp_path, conversations=40)
+    env = {**os.environ, **offline_env(cache, tmp_path / "home"), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", LOAD_PAPER_SETS, str(REPO / "config/paper.yaml")], env=env,
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert list(got) == ["mt-bench", "humaneval", "gsm8k", "alpaca"]
+    assert {k: len(v) for k, v in got.items()} == dict.fromkeys(got, 3), proc.stderr[-2000:]
+    for convs in got.values():
+        assert len(convs) == 3 and all(len(c) == 1 and c[0]["role"] == "user" and c[0]["content"] for c in convs)
+    assert got["humaneval"][0][0]["content"].startswith("def f0():")
