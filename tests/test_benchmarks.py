@@ -158,3 +158,13 @@ def test_paper_hub_sets_load_offline_from_the_cache_through_their_schemas(tmp_pa
     for convs in got.values():
         assert len(convs) == 3 and all(len(c) == 1 and c[0]["role"] == "user" and c[0]["content"] for c in convs)
     assert got["humaneval"][0][0]["content"].startswith("def f0():")
+
+
+def test_benchmarks_null_drops_the_stage_from_the_dag(tmp_path):
+    from .test_pipeline import dry_run_jobs, workdir
+
+    wd = workdir(tmp_path)
+    (wd / "nobench.yaml").write_text("eval:\n  e2e:\n    benchmarks: null\n")
+    jobs = dry_run_jobs(wd, "config/smoke.yaml", "nobench.yaml")
+    assert "eval_benchmarks" not in jobs and jobs["report"] == 1
+    assert dry_run_jobs(wd, "config/smoke.yaml")["eval_benchmarks"] == 6

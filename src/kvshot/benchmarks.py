@@ -23,7 +23,7 @@ from importlib import resources
 
 import torch
 
-from .config import Runtime
+from .config import ConfigError, Runtime
 from .data import DataError, load_sources
 from .decode import DecodeResult, plain_generate, speculative_generate
 from .e2e import per_prompt, pooled_intervals, specs
@@ -117,7 +117,9 @@ def run_benchmarks_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target
     from .target import load_target
     from .tokenizer import load_tokenizer
 
-    bcfg = cfg["eval"]["e2e"]["benchmarks"]
+    bcfg = cfg["eval"]["e2e"].get("benchmarks")
+    if not bcfg:
+        raise ConfigError("config: eval.e2e.benchmarks is not set: no prompt sets to decode")
     use_attention(cfg["drafters"].get("attention", "auto"))
     drafter_dirs = [drafter_dirs] if isinstance(drafter_dirs, str) else [str(d) for d in drafter_dirs]
     tokenizer = load_tokenizer(target_dir)
