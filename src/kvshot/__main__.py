@@ -116,7 +116,8 @@ def _cmd_report(args, cfg) -> dict:
     from .report import run_report
 
     names = [v["name"] for v in cfg["drafters"]["variants"]]
-    return run_report(args.results, names, args.tables, args.figures, args.claims_md, args.claims_json)
+    return run_report(args.results, names, args.tables, args.figures, args.claims_md, args.claims_json,
+                      with_benchmarks=args.benchmarks)
 
 
 def _cmd_scaling_report(args, cfg) -> dict:
@@ -261,6 +262,9 @@ def parser() -> argparse.ArgumentParser:
         if stage in ("target-continuations", "eval-stepwise"):   # the natural-text protocol (optional)
             s.add_argument("--natural-out", default=None, help="natural protocol: where to write the target's "
                            "rollouts (target-continuations) or their step-wise results (eval-stepwise)")
+        if stage == "report":
+            s.add_argument("--benchmarks", action="store_true", help="also results/tables/benchmarks.* and "
+                           "figures/benchmarks.pdf from results/eval/<variant>/benchmarks.json (eval.e2e.benchmarks)")
         if stage == "eval-stepwise":
             s.add_argument("--natural", default=None, help="the target's rollouts at real anchors (results/eval/natural.json)")
         if stage == "blockwise-report":

@@ -38,4 +38,4 @@ rule report:
     shell:
         "python -m kvshot report --config {params.cfg:q} --threads {threads} --results results"
         " --tables {output.tables} --figures figures --claims-md {output.claims_md}"
-        " --claims-json {output.claims_json} > {log} 2>&1"
+        " --claims-json {output.claims_json}" + (" --benchmarks" if BENCHMARKS else "") + " > {log} 2>&1"
