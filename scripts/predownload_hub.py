@@ -47,6 +47,8 @@ def hub_downloads(cfg: dict) -> list[dict]:
             add("model", sec["name"], sec.get("revision"), None, section)
     sources = [("data.sources", s) for s in cfg.get("data", {}).get("sources", [])]
     sources += [("eval.prompt_sources", s) for s in (cfg.get("eval", {}).get("prompt_sources") or [])]
+    bench = ((cfg.get("eval", {}).get("e2e") or {}).get("benchmarks") or {}).get("sets") or []
+    sources += [("eval.e2e.benchmarks", {**b, "name": b["dataset"]}) for b in bench if b.get("kind") == "hub"]
     for field, src in sources:
         if src.get("kind") != "hub":
             continue

@@ -10,10 +10,11 @@ ShareGPT text from the packaged file.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"   # the snapshot every fake repo holds
+COMMIT = "0123456789abcdef0123456789abcdef01234567"   # the fake repos' commits derive from it
 
 # Qwen3's special tokens the pipeline relies on; the real tokenizer has ~150k more tokens.
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -57,6 +58,23 @@ configs:
 ---
 """
 
+HUMANEVAL_README = """---
+configs:
+- config_name: openai_humaneval
+  data_files:
+  - split: test
+    path: openai_humaneval/test-*
+---
+"""
+
+ALPACA_README = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/train-*
+---
+"""
 
 PAPER = "config/paper.yaml"
 
@@ -71,6 +89,9 @@ def pinned_revisions(config: str = PAPER) -> dict[str, str]:
     pins = {cfg["target"]["name"]: cfg["target"].get("revision"), cfg["tokenizer"]["name"]: cfg["tokenizer"].get("revision")}
     for src in cfg["data"]["sources"] + cfg["eval"].get("prompt_sources", []):
         pins[src["name"]] = src.get("revision")
+    for src in ((cfg["eval"]["e2e"].get("benchmarks") or {}).get("sets") or []):
+        if src["kind"] == "hub":
+            pins[src["dataset"]] = src.get("revision")
     return {repo: rev for repo, rev in pins.items() if rev}
 
 
@@ -78,7 +99,10 @@ def _snapshot(cache: Path, kind: str, repo: str, config: str = PAPER) -> Path:
     """models--Owner--Name / datasets--Owner--Name at the revision the config pins (what
     `hf download --revision` leaves), refs/main pointing at it; returns the snapshot folder."""
     rev = pinned_revisions(config).get(repo, "main")
-    commit = rev if len(rev) == 40 and all(c in "0123456789abcdef" for c in rev) else COMMIT
+    # a branch pin: a commit of this repo's own (as on the hub: `datasets` names its cache of a
+    # local folder by the folder, so two repos at one fake commit would share a cache entry)
+    commit = rev if len(rev) == 40 and all(c in "0123456789abcdef" for c in rev) else \
+        hashlib.sha1(f"{COMMIT}{repo}".encode()).hexdigest()
     top = cache / f"{kind}--{repo.replace('/', '--')}"
     (top / "refs").mkdir(parents=True, exist_ok=True)
     (top / "refs" / "main").write_text(commit)
@@ -172,6 +196,25 @@ def build_hub_cache(root: Path, conversations: int = 160, vocab_size: int = 512,
     prompts = [{"prompt": [c[0]["content"][:200], "Explain your answer."], "category": "writing",
                 "prompt_id": 81 + i, "reference": []} for i, c in enumerate(convs[:16])]
     datasets.Dataset.from_list(prompts).to_parquet(str(snap / "data/train-00000-of-00001.parquet"))
+
+    # eval.e2e.benchmarks' hub sets, each in its own layout: openai/openai_humaneval (config
+    # openai_humaneval, split test), openai/gsm8k (config main: main/test-*.parquet, read by
+    # data_files), tatsu-lab/alpaca (data/train-*.parquet); the text is ShareGPT's, the fields theirs
+    for repo, readme, path, rows in (
+            ("openai/openai_humaneval", HUMANEVAL_README, "openai_humaneval/test-00000-of-00001.parquet",
+             [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n    \"\"\"{c[0]['content'][:120]}\"\"\"\n",
+               "canonical_solution": "    return 0\n", "test": "", "entry_point": f"f{i}"}
+              for i, c in enumerate(convs[:8])]),
+            ("openai/gsm8k", None, "main/test-00000-of-00001.parquet",
+             [{"question": c[0]["content"][:200], "answer": "#### 4"} for c in convs[8:16]]),
+            ("tatsu-lab/alpaca", ALPACA_README, "data/train-00000-of-00001.parquet",
+             [{"instruction": c[0]["content"][:200], "input": "", "output": c[1]["content"][:200], "text": ""}
+              for c in convs[16:24]])):
+        snap = _snapshot(cache, "datasets", repo, config)
+        if readme:
+            (snap / "README.md").write_text(readme)
+        (snap / path).parent.mkdir(parents=True, exist_ok=True)
+        datasets.Dataset.from_list(rows).to_parquet(str(snap / path))
     return cache
 
 

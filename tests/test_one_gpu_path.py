@@ -32,7 +32,8 @@ OVERLAY = {
     "eval": {"prompts": 4, "max_prompt_len": 64, "max_new_tokens": 12, "batch_size": 4, "bootstrap_samples": 50,
              "natural": {"anchors": 48},
              "e2e": {"prompts": 2, "max_new_tokens": 10, "warmup": 1,
-                     "tree": {"depth": 3, "topk": 2, "total_tokens": 6}}},
+                     "tree": {"depth": 3, "topk": 2, "total_tokens": 6},
+                     "benchmarks": {"prompts": 2, "max_new_tokens": 6}}},
     "scaling": {"train_samples": [60, 120]},   # not run (`all` only): validated against data.train_samples
 }
 VARIANTS = ("eagle3", "kv-d1", "kv-d2", "kv-d4", "hybrid", "standalone")

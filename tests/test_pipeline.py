@@ -90,11 +90,17 @@ def test_smoke_dag_end_to_end(tmp_path):
     assert len(json.loads((wd / "results/eval/natural.json").read_text())["items"]) == 24
     assert all(c.get("seeds") == 2 for c in claims if c.get("seeds") is not None)
     assert any(c.get("seeds") == 2 for c in claims)
-    for table in ("stepwise", "steps", "context", "depth", "e2e", "paper", "training"):
+    for table in ("stepwise", "steps", "context", "depth", "e2e", "paper", "training", "benchmarks"):
         assert (wd / f"results/tables/{table}.csv").exists()
+    # the benchmarks axis: held-out ShareGPT and HumanEval columns, T = 0 and T = 1 row groups, every variant
+    bench = (wd / "results/tables/benchmarks.md").read_text()
+    assert bench.startswith("| variant | mode | sharegpt tau | sharegpt speedup | humaneval tau | humaneval speedup |")
+    assert "| **T = 0** |" in bench and "| **T = 1** |" in bench
+    assert all(bench.count(f"| {name} | chain |") == 2 for name in variants)
+    assert (wd / "figures/benchmarks.pdf").read_bytes()[:4] == b"%PDF"
     rules = ["prepare_data", "train_tokenizer", "target", "capture_features_train", "capture_features_eval",
              "capture_features_val", "target_continuations", "e2e_timing", "report"]
-    per_variant = [f"{r}_{name}" for r in ("eval_stepwise", "eval_e2e") for name in variants]
+    per_variant = [f"{r}_{name}" for r in ("eval_stepwise", "eval_e2e", "eval_benchmarks") for name in variants]
     per_variant += [f"train_drafter_{name}_seed{seed}" for name in variants for seed in (0, 1)]
     for rule in rules + per_variant:
         assert (wd / f"logs/{rule}.log").exists()
@@ -107,7 +113,8 @@ def test_smoke_dag_end_to_end(tmp_path):
     assert "Nothing to be done" in (snakemake(wd, "-n", "--configfile", "config/smoke.yaml").stdout)
     (wd / "more.yaml").write_text("features:\n  kv_layers: [0, 1, 2, 3]\n")   # every variant's layers (checks.py)
     jobs = dry_run_jobs(wd, "config/smoke.yaml", "more.yaml")
-    downstream = {"train_drafter": 12, "eval_stepwise": 6, "eval_e2e": 6, "e2e_timing": 1, "report": 1, "all": 1}
+    downstream = {"train_drafter": 12, "eval_stepwise": 6, "eval_e2e": 6, "eval_benchmarks": 6, "e2e_timing": 1,
+                  "report": 1, "all": 1}
     assert jobs == {"capture_features": 3, **downstream}
     (wd / "more.yaml").write_text("drafters:\n  train:\n    lr: 0.002\n")
     assert dry_run_jobs(wd, "config/smoke.yaml", "more.yaml") == downstream
@@ -136,7 +143,8 @@ def test_paper_dag_dry_runs_with_the_default_rule_graph(tmp_path):
     paper = dry_run_jobs(wd, "config/paper.yaml")
     smoke = dry_run_jobs(wd, "config/smoke.yaml")
     shared = {"prepare_data": 1, "train_tokenizer": 1, "target": 1, "capture_features": 3,
-              "target_continuations": 1, "eval_stepwise": 6, "eval_e2e": 6, "e2e_timing": 1, "report": 1, "all": 1}
+              "target_continuations": 1, "eval_stepwise": 6, "eval_e2e": 6, "eval_benchmarks": 6, "e2e_timing": 1,
+              "report": 1, "all": 1}
     # one training job per variant and seed (drafters.seeds: default 3, smoke 2, paper 1)
     assert default == shared | {"train_drafter": 18}
     assert smoke == shared | {"train_drafter": 12}

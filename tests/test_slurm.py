@@ -205,7 +205,7 @@ def test_paper_dry_run_job_counts(paper_dry_run):
         count[job["rule"]] = count.get(job["rule"], 0) + 1
     assert (count["train_drafter"], count["scaling_train"], count["plateau_train"]) == (6, 15, 6)
     assert (count["blockwise_train"], count["blockwise_stepwise"], count["blockwise_e2e"]) == (8, 8, 8)   # 6 block + 2 remedies
-    assert count["export_eagle3"] == 1
+    assert count["export_eagle3"] == 1 and count["eval_benchmarks"] == 6
     # the published heads (paper config published.heads): imported, then the same evaluation
     assert (count["import_published"], count["published_stepwise"], count["published_e2e"],
             count["published_table"]) == (2, 2, 2, 1)
@@ -311,6 +311,8 @@ def test_predownload_fetches_every_hub_repo_at_its_pinned_revision():
     repos = {cfg["target"]["name"]: cfg["target"]["revision"]}
     repos |= {s["name"]: s.get("revision", "main") for s in cfg["data"]["sources"] + cfg["eval"]["prompt_sources"]}
     repos |= {h["repo"]: h["revision"] for h in cfg["published"]["heads"]}   # pinned commits
+    repos |= {b["dataset"]: b.get("revision", "main") for b in cfg["eval"]["e2e"]["benchmarks"]["sets"]
+              if b["kind"] == "hub"}
     got = {c[c.index("download") + 1] if c[2] != "--repo-type" else c[4]: c[c.index("--revision") + 1]
            for c in commands}
     assert got == repos
@@ -340,8 +342,8 @@ def test_smoke_dag_goes_through_sbatch(slurm_run, tmp_path):
     drafters = read_config([str(REPO / "config/config.yaml"), str(REPO / "config/smoke.yaml")])["drafters"]
     variants = [v["name"] for v in drafters["variants"]]
     # data, tokenizer, target, 3 captures (train, val, eval), continuations, e2e_timing, report;
-    # per variant: one training job per seed, 2 evals
-    jobs = 9 + (2 + len(drafters["seeds"])) * len(variants)
+    # per variant: one training job per seed, 3 evals (step-wise, e2e, benchmarks)
+    jobs = 9 + (3 + len(drafters["seeds"])) * len(variants)
     assert len(ids) == jobs and len(set(ids)) == jobs       # every job but `all`, each its own sbatch
     for name in variants:
         assert json.loads((wd / f"results/eval/{name}/e2e.json").read_text())["lossless"] is True

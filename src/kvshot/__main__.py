@@ -99,6 +99,12 @@ def _cmd_eval_e2e(args, cfg) -> dict:
     return run_e2e_stage(cfg, runtime(cfg), args.drafter, args.target, args.prompts, args.features_index, args.out)
 
 
+def _cmd_eval_benchmarks(args, cfg) -> dict:
+    from .benchmarks import run_benchmarks_stage
+
+    return run_benchmarks_stage(cfg, runtime(cfg), args.drafter, args.target, args.eval, args.features_index, args.out)
+
+
 def _cmd_e2e_timing(args, cfg) -> dict:
     from .e2e import run_e2e_timing_stage
 
@@ -110,7 +116,8 @@ def _cmd_report(args, cfg) -> dict:
     from .report import run_report
 
     names = [v["name"] for v in cfg["drafters"]["variants"]]
-    return run_report(args.results, names, args.tables, args.figures, args.claims_md, args.claims_json)
+    return run_report(args.results, names, args.tables, args.figures, args.claims_md, args.claims_json,
+                      with_benchmarks=args.benchmarks)
 
 
 def _cmd_scaling_report(args, cfg) -> dict:
@@ -160,6 +167,7 @@ STAGES = {
     "eval-stepwise": (_cmd_eval_stepwise, ("target", "drafters", "eval")),
     "eval-e2e": (_cmd_eval_e2e, ("target", "drafters", "eval")),
     "e2e-timing": (_cmd_e2e_timing, ("target", "drafters", "eval")),
+    "eval-benchmarks": (_cmd_eval_benchmarks, ("target", "drafters", "eval")),
     "report": (_cmd_report, ("drafters",)),
     "scaling-report": (_cmd_scaling_report, ("drafters", "scaling")),
     "blockwise-report": (_cmd_blockwise_report, ("drafters", "blockwise")),
@@ -181,6 +189,7 @@ STAGE_HELP = {
     "target-continuations": "the target's greedy continuations of the eval prompts (the step-wise reference)",
     "eval-stepwise": "chain-drafting simulation: per-step acceptance alpha_k, MAT, retention, intervals",
     "eval-e2e": "real speculative decoding (chain and tree) against plain decoding: tau, speedup, lossless",
+    "eval-benchmarks": "speculative decoding per prompt set (eval.e2e.benchmarks) and temperature: tau, speedup",
     "e2e-timing": "EAGLE-3's and the hybrid's drafting time per round, timed alternately in one process",
     "report": "tables, figures and the claims verdict from the result files",
     "scaling-report": "MAT against the number of training samples (figures/scaling.pdf)",
@@ -233,6 +242,7 @@ def parser() -> argparse.ArgumentParser:
         "target-continuations": ("eval", "target", "out"),
         "eval-stepwise": ("drafter", "target", "continuations", "features-index", "out"),
         "eval-e2e": ("drafter", "target", "prompts", "features-index", "out"),
+        "eval-benchmarks": ("drafter", "target", "eval", "features-index", "out"),
         "e2e-timing": ("reference", "hybrid", "target", "prompts", "features-index", "out"),
         "scaling-report": ("results", "figure", "table"),
         "blockwise-report": ("results", "figure", "table", "claims-md", "claims-json"),
@@ -252,6 +262,9 @@ def parser() -> argparse.ArgumentParser:
         if stage in ("target-continuations", "eval-stepwise"):   # the natural-text protocol (optional)
             s.add_argument("--natural-out", default=None, help="natural protocol: where to write the target's "
                            "rollouts (target-continuations) or their step-wise results (eval-stepwise)")
+        if stage == "report":
+            s.add_argument("--benchmarks", action="store_true", help="also results/tables/benchmarks.* and "
+                           "figures/benchmarks.pdf from results/eval/<variant>/benchmarks.json (eval.e2e.benchmarks)")
         if stage == "eval-stepwise":
             s.add_argument("--natural", default=None, help="the target's rollouts at real anchors (results/eval/natural.json)")
         if stage == "blockwise-report":

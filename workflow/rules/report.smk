@@ -7,6 +7,7 @@ rule report:
         natural=expand("results/eval/{variant}/stepwise_natural.json", variant=VARIANTS),
         e2e=expand("results/eval/{variant}/e2e.json", variant=VARIANTS),
         e2e_timing=["results/eval/e2e_timing.json"] if E2E_TIMED else [],   # eval.smk
+        benchmarks=expand("results/eval/{variant}/benchmarks.json", variant=VARIANTS) if BENCHMARKS else [],
         drafters=expand("results/drafters/{variant}/seed{seed}", variant=VARIANTS, seed=SEEDS),
     output:
         tables=report(
@@ -16,7 +17,7 @@ rule report:
             category="Tables",
         ),
         figures=report(
-            expand("figures/{figure}.pdf", figure=FIGURES),
+            expand("figures/{figure}.pdf", figure=FIGURES + (["benchmarks"] if BENCHMARKS else [])),
             caption="../report/figures.rst",
             category="Figures",
         ),
@@ -37,4 +38,4 @@ rule report:
     shell:
         "python -m kvshot report --config {params.cfg:q} --threads {threads} --results results"
         " --tables {output.tables} --figures figures --claims-md {output.claims_md}"
-        " --claims-json {output.claims_json} > {log} 2>&1"
+        " --claims-json {output.claims_json}" + (" --benchmarks" if BENCHMARKS else "") + " > {log} 2>&1"

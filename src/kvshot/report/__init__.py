@@ -12,11 +12,17 @@ from .tables import time_capped, write_tables
 
 
 def run_report(results: str, variants: list[str], tables_dir: str, figures_dir: str, claims_md: str,
-               claims_json: str, figures: list[str] | None = None) -> dict:
+               claims_json: str, figures: list[str] | None = None, with_benchmarks: bool = False) -> dict:
+    from . import benchmarks
+
     loaded = load_variants(results, variants)
-    write_tables(loaded, tables_dir)
+    # eval.e2e.benchmarks: per prompt set and temperature (a file left by an earlier config is not read)
+    bench = benchmarks.load_benchmarks(results, variants) if with_benchmarks else []
+    write_tables(loaded, tables_dir, benchmarks.table_files(bench) if bench else None)
     for name in figures or list(FIGURES):
         FIGURES[name](loaded, Path(figures_dir) / f"{name}.pdf")
+    if bench:
+        benchmarks.figure(bench, Path(figures_dir) / "benchmarks.pdf")
     claims = evaluate_claims(loaded)
     write_json(claims_json, claims)
     target_metrics = Path(results) / "target" / "metrics.json"

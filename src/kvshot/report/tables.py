@@ -276,14 +276,18 @@ TABLES = {"stepwise": stepwise_rows, "steps": step_rows, "context": context_rows
           "paper": paper_rows, "training": training_rows}
 
 
-def write_tables(variants: list[Variant], out_dir: str | Path) -> dict[str, list[dict]]:
-    """Every table in three formats, written into out_dir as one atomic folder."""
+def write_tables(variants: list[Variant], out_dir: str | Path,
+                 extra: dict[str, str] | None = None) -> dict[str, list[dict]]:
+    """Every table in three formats, written into out_dir as one atomic folder; `extra`: more
+    files by name (report.benchmarks.table_files)."""
     tables = {name: fn(variants) for name, fn in TABLES.items()}
     with atomic_dir(out_dir) as tmp:
         for name, rows in tables.items():
             (tmp / f"{name}.csv").write_text(_csv(rows))
             (tmp / f"{name}.md").write_text(_markdown(rows))
             (tmp / f"{name}.tex").write_text(_latex(rows))
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
     return tables
 
 
