@@ -100,3 +100,116 @@ def test_fc_norm_with_norm_before_fc_is_refused_in_one_line(tmp_path):
     assert "\n" not in text and str(path) in text and "'fc_norm'" in text and "norm_before_fc" in text
     with pytest.raises(ValueError, match="'fc_norm'"):
         build_drafter(DrafterConfig(**{**cfg, "paradigm": "kv", "kv_layers": [0], "fc_norm": True}))
+
+
+# ---------------------------------------------------------------- export, import, an independent library
+
+from kvshot.__main__ import main  # noqa: E402
+from kvshot.config import stage_config  # noqa: E402
+from kvshot.drafters import load_drafter  # noqa: E402
+from kvshot.export import EAGLE3_TENSORS, FormatError, export_eagle3  # noqa: E402
+from kvshot.variants import build_variant  # noqa: E402
+
+from .test_export import K, documented_names, perturbed, world  # noqa: E402,F401  (world: a fixture)
+
+EAGLE31 = {"name": "eagle3.1", "paradigm": "hidden", "layers": 1, "qk_norm": False, "fc_norm": True,
+           "norm_output": True}
+
+
+@pytest.fixture(scope="module")
+def eagle31_dir(world, tmp_path_factory):
+    t = world["target"]
+    model = perturbed(build_variant(EAGLE31, t.config, t.model.embed_tokens.weight.detach(), world["d2t"]))
+    folder = tmp_path_factory.mktemp("eagle31") / "drafter"
+    model.save(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def exported31(eagle31_dir, tiny):
+    out = eagle31_dir.parent / "export"
+    assert main(["export", "--format", "eagle3", str(eagle31_dir), str(out), "--target", str(tiny["model"]),
+                 "--config", json.dumps(stage_config(tiny["cfg"], "features"))]) == 0
+    return out
+
+
+def test_the_documented_folder_has_the_switches_tensors(eagle31_dir):
+    from safetensors import safe_open
+
+    assert load_drafter(eagle31_dir, need_embedding=False).cfg.fc_norm
+    with safe_open(str(eagle31_dir / "model.safetensors"), framework="pt") as fh:
+        keys = set(fh.keys())
+    one_layer = {n for n in documented_names("hidden") if not n.startswith("layers.1.")}
+    assert keys == one_layer - {"layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight"} \
+        | documented_names("hidden fc_norm")
+
+
+def test_export_writes_the_switches_and_the_fc_norm_names(exported31):
+    from safetensors.torch import load_file
+
+    raw = json.loads((exported31 / "config.json").read_text())
+    assert raw["fc_norm"] is True and raw["norm_output"] is True and "norm_before_fc" not in raw
+    tensors = load_file(str(exported31 / "model.safetensors"))
+    assert sorted(tensors) == sorted(EAGLE3_TENSORS + [f"fc_norm.{i}.weight" for i in range(3)])
+
+
+def test_export_refuses_norm_before_fc(world, tmp_path):
+    t = world["target"]
+    v = {**EAGLE31, "fc_norm": False, "norm_before_fc": True}
+    build_variant(v, t.config, t.model.embed_tokens.weight.detach(), world["d2t"]).save(tmp_path / "d")
+    with pytest.raises(FormatError, match="norm_before_fc") as err:
+        export_eagle3(tmp_path / "d", tmp_path / "out")
+    assert "\n" not in str(err.value)
+
+
+def test_round_trip_keeps_the_switches_and_gives_identical_logits(exported31, eagle31_dir, world, tiny, tmp_path):
+    out = tmp_path / "imported"
+    assert main(["import", "--format", "eagle3", str(exported31), str(out), "--target", str(tiny["model"])]) == 0
+    embed = world["target"].model.embed_tokens.weight
+    before, after = load_drafter(eagle31_dir, embed=embed), load_drafter(out, embed=embed)
+    assert after.cfg == before.cfg and after.cfg.fc_norm and after.cfg.norm_output
+    for name, tensor in before.state_dict().items():
+        assert torch.equal(after.state_dict()[name], tensor), name
+    meta = json.loads((out / "import.json").read_text())
+    assert meta["fc_norm"] is True and meta["norm_output"] is True
+    batch = world["src"].batch([0, 1])
+    with torch.no_grad():
+        a, b = unroll(before, batch, K), unroll(after, batch, K)
+    assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+def test_speculators_converts_loads_and_matches_eagle31_logits(exported31, eagle31_dir, world, tiny, tmp_path):
+    """speculators 0.9.0 (tests/speculators_env.py; the newest on PyPI) knows fc_norm and
+    norm_output: its converter reads them from our config, its Eagle3DraftModel applies them;
+    K TTT steps within 1e-4. Its converter drops the fc_norm tensors (its legacy model has none),
+    so the script loads them from our checkpoint by the names vLLM reads (recorded, asserted)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from .speculators_env import run_script
+
+    drafter = load_drafter(eagle31_dir, embed=world["target"].model.embed_tokens.weight)
+    sample = world["src"].batch([3])
+    n = sample["input_ids"].shape[1]
+    inputs = {"hidden_states": sample["aux_hidden"][:, : n - 1].flatten(-2).float().contiguous(),
+              "input_ids": sample["input_ids"][:, 1:].long().contiguous(),
+              "position_ids": torch.arange(1, n)[None].contiguous()}
+    save_file(inputs, str(tmp_path / "inputs.safetensors"))
+    done = run_script(str(exported31), str(tiny["model"]), str(tmp_path / "inputs.safetensors"), str(tmp_path),
+                      str(tmp_path / "theirs.safetensors"), str(K), ",".join(map(str, world["aux"])))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    converted = json.loads((tmp_path / "speculators" / "config.json").read_text())
+    assert converted["fc_norm"] is True and converted["norm_output"] is True
+    with safe_open(str(tmp_path / "theirs.safetensors"), framework="pt") as fh:
+        meta = fh.metadata()
+    assert json.loads(meta["config"]) == {"fc_norm": True, "norm_output": True}
+    in_converted = {f"fc_norm.{i}.weight" for i in range(3)} <= set(json.loads(meta["converted_names"]))
+    assert meta["fc_norm_from"] == ("converted" if in_converted else "checkpoint")
+    theirs = load_file(str(tmp_path / "theirs.safetensors"))
+    batch = {**sample, "attention_mask": torch.ones_like(sample["input_ids"]),
+             "loss_mask": torch.ones_like(sample["input_ids"])}
+    with torch.no_grad():
+        ours = torch.stack([l[0, : n - 1] for l in unroll(drafter, batch, K).logits])
+    delta = (theirs["logits"] - ours).abs().max().item()
+    print(f"speculators vs kvshot (eagle3.1), {K} TTT steps: max |dlogit| {delta:.2e}")
+    assert delta <= 1e-4, f"max |dlogit| {delta}"
