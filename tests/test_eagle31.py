@@ -213,3 +213,38 @@ def test_speculators_converts_loads_and_matches_eagle31_logits(exported31, eagle
     delta = (theirs["logits"] - ours).abs().max().item()
     print(f"speculators vs kvshot (eagle3.1), {K} TTT steps: max |dlogit| {delta:.2e}")
     assert delta <= 1e-4, f"max |dlogit| {delta}"
+
+
+# ---------------------------------------------------------------- the smoke path: train, step-wise, decode
+
+def test_drift_variants_train_evaluate_and_decode_losslessly(tiny, tiny_features, tmp_path):
+    """The three drift variants of config/config.yaml (drift.variants) through the stages the DAG
+    runs for them (drift.smk: train-drafter, eval-stepwise, eval-e2e), at the smoke scale: this
+    test stands in for adding them to the smoke DAG (cheaper: one job each, no Snakemake)."""
+    from kvshot.e2e import run_e2e_stage
+    from kvshot.stepwise import run_continuations_stage, run_stepwise_stage
+
+    entries = {v["name"]: v for v in tiny["cfg"]["drift"]["variants"]}
+    assert set(entries) == set(SWITCHES)
+    index = str(tiny_features["eval"] / "index.json")
+    cont = tmp_path / "continuations.json"
+    run_continuations_stage(tiny["cfg"], tiny["rt"], str(tiny["eval"]), str(tiny["model"]), str(cont))
+    for name, entry in entries.items():
+        cfg = json.loads(json.dumps(tiny["cfg"]))
+        cfg["drafters"]["variants"] = [entry]   # as drift.smk's variant_params passes it
+        out = tmp_path / name
+        assert main(["train-drafter", "--config", json.dumps(stage_config(cfg, "drafters")), "--variant", name,
+                     "--train-features", str(tiny_features["train"]), "--eval-features", str(tiny_features["eval"]),
+                     "--target", str(tiny["model"]), "--out", str(out / "drafter")]) == 0
+        trained = load_drafter(out / "drafter", need_embedding=False).cfg
+        assert {k: getattr(trained, k) for k in ("fc_norm", "norm_output")} == \
+            {k: SWITCHES[name].get(k, False) for k in ("fc_norm", "norm_output")}
+        step = run_stepwise_stage(cfg, tiny["rt"], str(out / "drafter"), str(tiny["model"]), str(cont), index,
+                                  str(out / "stepwise.json"))
+        sw = json.loads((out / "stepwise.json").read_text())
+        assert len(sw["acc"]) == cfg["drafters"]["ttt_steps"] and step["alpha"] is not None
+        assert "retention_observed" in sw or "retention" in json.dumps(sw)
+        run_e2e_stage(cfg, tiny["rt"], str(out / "drafter"), str(tiny["model"]), str(cont), index,
+                      str(out / "e2e.json"))
+        e2e = json.loads((out / "e2e.json").read_text())
+        assert e2e["lossless"] and all(m["real_errors"] == 0 for m in e2e["modes"].values()), name
