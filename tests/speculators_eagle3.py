@@ -8,7 +8,8 @@ usage: speculators_eagle3.py CHECKPOINT VERIFIER INPUTS WORKDIR OUT STEPS AUX_ID
   NORM_BEFORE_RESIDUAL: 1 converts with norm_before_residual on (RedHatAI's heads); the converted
   folder (WORKDIR/speculators) is speculators' own layout and config, kept for kvshot to import
   INPUTS: safetensors with hidden_states [1, T, 3H], input_ids [1, T], position_ids [1, T]
-  OUT: safetensors with logits [STEPS, T, N], d2t, t2d, embed; metadata: the converted names
+  OUT: safetensors with logits [STEPS, T, N], d2t, t2d, embed; metadata: the converted names,
+  where the fc_norm weights came from (EAGLE-3.1: the converter drops them), the switches it built
 """
 import json
 import sys
@@ -37,6 +38,21 @@ def main(checkpoint, verifier, inputs, workdir, out, steps, aux_ids, norm_before
     # materialized from torch.empty. Load it from the verifier unconditionally, as intended.
     embedding_was_loaded = verifier_embedding_equals(model, verifier)
     model._load_verifier_weights(overwrite_embed_tokens=True)
+    # speculators 0.9.0's converter rebuilds the head in its legacy Eagle3Speculator, which has no
+    # fc_norm: the per-state norms (EAGLE-3.1) are dropped from the converted file, and its
+    # Eagle3DraftModel (which has them, config fc_norm) would start them at ones. Take them from
+    # the checkpoint under their own names, as vLLM's loader reads them (fc_norm.{i}.weight).
+    fc_norm_from = "none"
+    if getattr(model, "fc_norm", None) is not None:
+        with safe_open(str(converted / "model.safetensors"), framework="pt") as fh:
+            in_converted = "fc_norm.0.weight" in fh.keys()
+        fc_norm_from = "converted"
+        if not in_converted:
+            source = load_file(str(Path(checkpoint) / "model.safetensors"))
+            with torch.no_grad():
+                for i, norm in enumerate(model.fc_norm):
+                    norm.weight.copy_(source[f"fc_norm.{i}.weight"].float())
+            fc_norm_from = "checkpoint"
     x = load_file(inputs)
     logits = []
     hook = model.lm_head.register_forward_hook(lambda module, args, output: logits.append(output.detach().float()))
@@ -50,7 +66,9 @@ def main(checkpoint, verifier, inputs, workdir, out, steps, aux_ids, norm_before
     save_file({"logits": torch.cat(logits).contiguous(), "d2t": model.d2t.contiguous(), "t2d": model.t2d.contiguous(),
                "embed": model.embed_tokens.weight.detach().contiguous()},
               out, metadata={"converted_names": json.dumps(names), "model_class": type(model).__name__,
-                             "embedding_loaded_by_from_pretrained": str(embedding_was_loaded)})
+                             "embedding_loaded_by_from_pretrained": str(embedding_was_loaded),
+                             "fc_norm_from": fc_norm_from, "config": json.dumps({k: bool(getattr(model.config, k, False))
+                                                                                for k in ("fc_norm", "norm_output")})})
 
 
 def verifier_embedding_equals(model, verifier) -> bool:

@@ -55,8 +55,13 @@ def heads(x, n):
     return x.view(B, T, n, D).transpose(1, 2)
 
 
-def reference_logits(p: dict, aux, ids, key_valid):
-    """Per step [B, T, N]: the EAGLE-3 TTT unroll, step by step with a per-step key cache."""
+def reference_logits(p: dict, aux, ids, key_valid, fc_norm: bool = False, norm_output: bool = False):
+    """Per step [B, T, N]: the EAGLE-3 TTT unroll, step by step with a per-step key cache.
+    EAGLE-3.1's switches (speculators' Eagle3DraftModel, models/eagle3/core.py): fc_norm, each
+    aux state RMS-normed by its own weight before fc; norm_output, the final norm's output is
+    the state the next step reads (the head reads it as is: normed once)."""
+    if fc_norm:
+        aux = torch.stack([rms_norm(aux[..., i, :], p[f"fc_norm.{i}.weight"]) for i in range(aux.shape[-2])], -2)
     state = aux.flatten(-2) @ p["fc.weight"].T
     keys, values = [], []                                  # one entry per step: [B, HQ, T, D]
     causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
@@ -84,7 +89,11 @@ def reference_logits(p: dict, aux, ids, key_valid):
         y = rms_norm(state, p["layers.0.mlp_norm.weight"])
         gate, up = y @ p["layers.0.mlp.gate_proj.weight"].T, y @ p["layers.0.mlp.up_proj.weight"].T
         state = state + (F.silu(gate) * up) @ p["layers.0.mlp.down_proj.weight"].T
-        out.append(rms_norm(state, p["norm.weight"]) @ p["lm_head.weight"].T)
+        if norm_output:
+            state = rms_norm(state, p["norm.weight"])
+            out.append(state @ p["lm_head.weight"].T)
+        else:
+            out.append(rms_norm(state, p["norm.weight"]) @ p["lm_head.weight"].T)
     return out
 
 
@@ -113,10 +122,10 @@ def inputs(seed: int = 0):
     return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask, "aux_hidden": aux}, last_hidden, head
 
 
-def drafter(qk_norm: bool = False, seed: int = 0):
+def drafter(qk_norm: bool = False, seed: int = 0, **switches):
     cfg = DrafterConfig(paradigm="hidden", hidden_size=H, num_layers=1, num_attention_heads=HQ, num_key_value_heads=HKV,
                         head_dim=D, intermediate_size=I, vocab_size=V, draft_vocab_size=N, rope_theta=THETA,
-                        rms_norm_eps=EPS, qk_norm=qk_norm)
+                        rms_norm_eps=EPS, qk_norm=qk_norm, **switches)
     torch.manual_seed(seed)
     model = build_drafter(cfg)
     d2t = torch.sort(torch.randperm(V)[:N]).values

@@ -291,7 +291,7 @@ def test_speculators_layout_decodes_losslessly(speculators_head, world, tiny, ti
 
 def test_unknown_or_unsupported_fields_are_refused(speculators_head, angelslim, tiny, tmp_path):
     raw = json.loads((speculators_head["dir"] / "config.json").read_text())
-    cases = [({**raw, "fc_norm": True}, "fc_norm"), ({**raw, "norm_output": True}, "norm_output"),
+    cases = [({**raw, "norm_before_fc": True}, "norm_before_fc"), ({**raw, "fc_norm": "yes"}, "fc_norm"),
              ({**raw, "colour": "red"}, "colour"),
              ({**raw, "transformer_layer_config": {**raw["transformer_layer_config"], "model_type": "mistral"}},
               "model_type"),

@@ -31,7 +31,7 @@ from .test_pipeline import snakemake, workdir
 
 PROFILE = ("--profile", "profiles/slurm-test")
 PAPER_PROFILE = REPO / "profiles/slurm/config.yaml"
-TRAIN_RULES = {"train_drafter", "scaling_train", "plateau_train", "blockwise_train"}   # DDP: 8 GPUs
+TRAIN_RULES = {"train_drafter", "scaling_train", "plateau_train", "blockwise_train", "drift_train"}   # DDP: 8 GPUs
 
 
 def cluster_up() -> bool:
@@ -71,7 +71,7 @@ def parse_dry_run(out: str) -> list[dict]:
 # One dry run per group (a dry run of the paper DAG takes ~10 s); regenerate_data exists only
 # with data.regenerate.enabled, an overlay of its own.
 PAPER_TARGETS = ("all", "figures/scaling.pdf", "figures/blockwise.pdf", "results/export/eagle3",
-                 "results/plateau/claims.md", "results/published/table.md")
+                 "results/plateau/claims.md", "results/published/table.md", "figures/drift.pdf")
 REGENERATE_TARGETS = ("regenerate_data",)
 REGENERATE_OVERLAY = "data:\n  regenerate:\n    enabled: true\n"
 GPU_PARTITION, CPU_PARTITION, CPUS_PER_GPU = "gpu", "cpu", 8
@@ -206,6 +206,7 @@ def test_paper_dry_run_job_counts(paper_dry_run):
     assert (count["train_drafter"], count["scaling_train"], count["plateau_train"]) == (6, 15, 6)
     assert (count["blockwise_train"], count["blockwise_stepwise"], count["blockwise_e2e"]) == (8, 8, 8)   # 6 block + 2 remedies
     assert count["export_eagle3"] == 1 and count["eval_benchmarks"] == 6
+    assert (count["drift_train"], count["drift_stepwise"], count["drift_e2e"], count["drift_report"]) == (3, 3, 3, 1)
     # the published heads (paper config published.heads): imported, then the same evaluation
     assert (count["import_published"], count["published_stepwise"], count["published_e2e"],
             count["published_table"]) == (2, 2, 2, 1)

@@ -141,6 +141,16 @@ def _cmd_blockwise_report(args, cfg) -> dict:
                                 remedies, hybrids, main, args.decay_figure, args.depth_figure)
 
 
+def _cmd_drift_report(args, cfg) -> dict:
+    from .report.drift import run_drift_report
+
+    drift = cfg.get("drift") or {}
+    if not drift.get("variants"):
+        raise ConfigError("config: drift.variants: no EAGLE-3.1 variants to report on")
+    return run_drift_report(args.results, [v["name"] for v in drift["variants"]], list(drift.get("compare") or []),
+                            list(drift.get("blocks") or []), args.figure, args.table, args.claims_md, args.claims_json)
+
+
 def _cmd_published_table(args, cfg) -> dict:
     from .published import published_table
 
@@ -171,6 +181,7 @@ STAGES = {
     "report": (_cmd_report, ("drafters",)),
     "scaling-report": (_cmd_scaling_report, ("drafters", "scaling")),
     "blockwise-report": (_cmd_blockwise_report, ("drafters", "blockwise")),
+    "drift-report": (_cmd_drift_report, ("drafters", "drift")),
     "readme": (_cmd_readme, ("drafters",)),
     "published-table": (_cmd_published_table, ("published",)),
     "export": (_cmd_export, ("features",)),
@@ -194,6 +205,7 @@ STAGE_HELP = {
     "report": "tables, figures and the claims verdict from the result files",
     "scaling-report": "MAT against the number of training samples (figures/scaling.pdf)",
     "blockwise-report": "block-wise drafters vs the KV-only chains: figures/blockwise.pdf, table, verdicts",
+    "drift-report": "EAGLE-3.1 and its ablations vs EAGLE-3, KV-only, hybrid, block-wise: figures/drift.pdf, table, verdicts",
     "published-table": "published heads' tau (results/published/<head>/e2e.json) beside the publishers' figures",
 }
 # what each path flag names (every one required)
@@ -246,6 +258,7 @@ def parser() -> argparse.ArgumentParser:
         "e2e-timing": ("reference", "hybrid", "target", "prompts", "features-index", "out"),
         "scaling-report": ("results", "figure", "table"),
         "blockwise-report": ("results", "figure", "table", "claims-md", "claims-json"),
+        "drift-report": ("results", "figure", "table", "claims-md", "claims-json"),
         "published-table": ("results", "table"),
         "report": ("results", "tables", "figures", "claims-md", "claims-json"),
     }

@@ -65,15 +65,17 @@ def missing_local_path(name: str) -> bool:
 
 
 PARADIGM_FIELDS = {"context": "block", "block_size": "block", "position_decay": "block", "refine_passes": "block",
-                   "kv_warmup_steps": "hybrid", "gate_shape": "hybrid", "gate_init": "hybrid"}
+                   "kv_warmup_steps": "hybrid", "gate_shape": "hybrid", "gate_init": "hybrid",
+                   "fc_norm": "hidden", "norm_before_fc": "hidden", "norm_output": "hidden"}
 
 
 def all_variants(cfg: dict) -> list[tuple[list[str], dict]]:
     """(config path, entry) of every drafter variant: drafters.variants, then the block-wise
-    target's blockwise.variants and blockwise.remedies."""
+    target's blockwise.variants and blockwise.remedies, the drift target's drift.variants."""
     out = [(["drafters", "variants", str(i)], v) for i, v in enumerate((cfg.get("drafters") or {}).get("variants", []))]
     for key in ("variants", "remedies"):
         out += [(["blockwise", key, str(i)], v) for i, v in enumerate((cfg.get("blockwise") or {}).get(key) or [])]
+    out += [(["drift", "variants", str(i)], v) for i, v in enumerate((cfg.get("drift") or {}).get("variants") or [])]
     return out
 
 
@@ -94,6 +96,17 @@ def check_consistency(cfg: dict, fail: Callable[[list[str], str], None]) -> None
             for key, paradigm in PARADIGM_FIELDS.items():   # a setting another paradigm would silently ignore
                 if key in v and v["paradigm"] != paradigm:
                     fail(path + [key], f"a {paradigm} setting, and variant {v['name']} is {v['paradigm']}")
+            if v.get("fc_norm") and v.get("norm_before_fc"):   # one norm per aux state, or one over them all
+                fail(path + ["fc_norm"], "excludes norm_before_fc (per-state norms vs one norm over the "
+                     "concatenation, EAGLE-3.1 uses fc_norm): set one")
+        drift = cfg.get("drift") or {}
+        for key, section in (("compare", drafters.get("variants") or []),
+                             ("blocks", (cfg.get("blockwise") or {}).get("variants") or [])):
+            names = {v["name"] for v in section}
+            for i, name in enumerate(drift.get(key) or []):
+                if name not in names:
+                    where = "drafters.variants" if key == "compare" else "blockwise.variants"
+                    fail(["drift", key, str(i)], f"{name!r} is not a variant of {where} (have {sorted(names)})")
         tc = drafters["train"]
         if drafters["ttt_steps"] + 2 > tc["max_len"]:
             fail(["drafters", "ttt_steps"], f"{drafters['ttt_steps']} steps need sequences of at least "

@@ -46,6 +46,13 @@ EAGLE3_NAMES = {
     "lm_head.weight": "lm_head.weight",
 }
 EAGLE3_TENSORS = sorted([*EAGLE3_NAMES.values(), "d2t", "t2d"])
+# EAGLE-3.1 (fc_norm: true): one norm per aux state, the names vLLM and speculators load (a ModuleList)
+FC_NORM_NAMES = {f"fc_norm.{i}.weight": f"fc_norm.{i}.weight" for i in range(3)}
+
+
+def switch_names(cfg: DrafterConfig) -> dict[str, str]:
+    """The checkpoint names a drafter has beyond EAGLE3_NAMES (its switches' tensors)."""
+    return dict(FC_NORM_NAMES) if cfg.fc_norm else {}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -103,12 +110,16 @@ def check_exportable(drafter, where: str) -> None:
                           "with qk_norm: false")
     if cfg.num_aux != 3:
         raise FormatError(f"{where}: num_aux {cfg.num_aux}: EAGLE-3 fuses three target hidden states")
+    if cfg.norm_before_fc:
+        raise FormatError(f"{where}: norm_before_fc true: not exported (its tensor's name in the engines is unchecked "
+                          "here); EAGLE-3.1's per-state fc_norm is")
 
 
 def eagle3_tensors(drafter: HiddenDrafter, dtype: torch.dtype) -> dict[str, Tensor]:
     """The checkpoint's tensors: weights renamed and cast, d2t as offsets, t2d as a bool mask."""
     own = drafter.state_dict()
-    out = {theirs: own[ours].detach().to(dtype).contiguous().cpu() for ours, theirs in EAGLE3_NAMES.items()}
+    names = {**EAGLE3_NAMES, **switch_names(drafter.cfg)}
+    out = {theirs: own[ours].detach().to(dtype).contiguous().cpu() for ours, theirs in names.items()}
     d2t = drafter.d2t.detach().cpu().long()
     out["d2t"] = d2t - torch.arange(len(d2t))
     out["t2d"] = drafter.t2d.detach().cpu().bool().contiguous()
@@ -146,6 +157,9 @@ def eagle3_config(cfg: DrafterConfig, dtype: str, max_position_embeddings: int,
     }
     if cfg.norm_before_residual:   # vLLM reads it from this config too; SGLang has no such switch
         config["norm_before_residual"] = True
+    for key in ("fc_norm", "norm_output"):   # EAGLE-3.1: vLLM and speculators read them here (absent: off)
+        if getattr(cfg, key):
+            config[key] = True
     if aux_layers is not None:
         config["eagle_config"] = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(aux_layers)}
     return config

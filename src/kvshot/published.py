@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .drafters import DrafterConfig, build_drafter
 from .drafters.hidden import HiddenDrafter
-from .export import EAGLE3_NAMES, FormatError, read_eagle3, target_config, target_embedding
+from .export import EAGLE3_NAMES, FC_NORM_NAMES, FormatError, read_eagle3, target_config, target_embedding
 from .io import read_json
 from .taps import eagle3_aux_layers
 
@@ -53,13 +53,17 @@ INERT = {"architectures", "model_type", "_name_or_path", "auto_map", "torch_dtyp
 LAYER_KEYS = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
               "attention_bias", "mlp_bias", "vocab_size"}
-EAGLE3_HEAD_KEYS = {"draft_vocab_size", "target_hidden_size", "eagle_config", "norm_before_residual"}
+EAGLE3_HEAD_KEYS = {"draft_vocab_size", "target_hidden_size", "eagle_config", "norm_before_residual", "fc_norm",
+                    "norm_output"}
 SPECULATORS_TOP_KEYS = {"speculators_model_type", "speculators_version", "speculators_config",
                         "transformer_layer_config", "draft_vocab_size", "norm_before_residual", "target_hidden_size",
                         "eagle_aux_hidden_state_layer_ids", "norm_before_fc", "fc_norm", "norm_output",
                         "embed_requires_grad"}
-# speculators switches kvshot does not implement: a head with one on is refused
-UNSUPPORTED_SWITCHES = ("norm_before_fc", "fc_norm", "norm_output")
+# speculators switches kvshot does not import: a head with one on is refused (kvshot's drafter has
+# norm_before_fc, but its tensor's name in the engines is unchecked; EAGLE-3.1's fc_norm and
+# norm_output are read: `switches`)
+UNSUPPORTED_SWITCHES = ("norm_before_fc",)
+SWITCHES = ("fc_norm", "norm_output")   # EAGLE-3.1 (arXiv 2605.09992), top-level keys in both layouts
 
 
 # ---------------------------------------------------------------- aux layers
@@ -93,8 +97,19 @@ def _refuse_unknown(config: dict, known: set, where: str) -> None:
                           f"(unknown: {unknown}); refusing rather than ignoring it")
 
 
+def switches(config: dict, where: str) -> dict:
+    """A head's EAGLE-3.1 switches (absent: off), each a boolean."""
+    out = {}
+    for key in SWITCHES:
+        value = config.get(key, False)
+        if not isinstance(value, bool):
+            raise FormatError(f"{where}: field {key!r} {value!r}: expected true or false")
+        out[key] = value
+    return out
+
+
 def _layer_config(c: dict, where: str, vocab_size: int, draft_vocab_size: int, qk_norm: bool,
-                  norm_before_residual: bool) -> DrafterConfig:
+                  norm_before_residual: bool, **switched) -> DrafterConfig:
     """A DrafterConfig from a Llama/Qwen3 layer config, every field that changes the math checked."""
     if c.get("num_hidden_layers", 1) != 1:
         raise FormatError(f"{where}: field 'num_hidden_layers' {c['num_hidden_layers']}: kvshot imports one-layer heads")
@@ -116,7 +131,7 @@ def _layer_config(c: dict, where: str, vocab_size: int, draft_vocab_size: int, q
         num_key_value_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or h // heads,
         intermediate_size=c["intermediate_size"], vocab_size=vocab_size, draft_vocab_size=draft_vocab_size,
         rope_theta=float(theta), rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), qk_norm=qk_norm,
-        norm_before_residual=bool(norm_before_residual))
+        norm_before_residual=bool(norm_before_residual), **switched)
 
 
 def _check_width(top: dict, h: int, where: str) -> None:
@@ -143,7 +158,7 @@ def read_head_config(config: dict, where: str) -> tuple[str, DrafterConfig, dict
         _check_width(config, config["hidden_size"], where)
         vocab = config["vocab_size"]
         cfg = _layer_config(config, where, vocab, config.get("draft_vocab_size") or vocab, False,
-                            config.get("norm_before_residual", False))
+                            config.get("norm_before_residual", False), **switches(config, where))
         return layout, cfg, {"aux_ids": eagle.get("eagle_aux_hidden_state_layer_ids"), "verifier": None,
                              "speculative_tokens": None}
     if config.get("speculators_model_type") != "eagle3":
@@ -161,7 +176,8 @@ def read_head_config(config: dict, where: str) -> tuple[str, DrafterConfig, dict
     _check_width(config, layer["hidden_size"], where)
     vocab = layer["vocab_size"]
     cfg = _layer_config(layer, lwhere, vocab, config.get("draft_vocab_size") or vocab,
-                        layer.get("model_type", "qwen3") == "qwen3", config.get("norm_before_residual", False))
+                        layer.get("model_type", "qwen3") == "qwen3", config.get("norm_before_residual", False),
+                        **switches(config, where))
     spec = config.get("speculators_config") or {}
     verifier = (spec.get("verifier") or {}).get("name_or_path")
     methods = spec.get("proposal_methods") or [{}]
@@ -179,6 +195,8 @@ def head_from_tensors(cfg: DrafterConfig, layout: str, tensors: dict[str, Tensor
     names = dict(EAGLE3_NAMES if layout == "eagle3" else SPECULATORS_NAMES)
     if cfg.qk_norm:
         names.update(QK_NORM_NAMES)
+    if cfg.fc_norm:   # the same names in both layouts
+        names.update(FC_NORM_NAMES)
     expected = set(names.values()) | {"d2t", "t2d", "embed_tokens.weight"} | VERIFIER_TENSORS
     unknown = sorted(set(tensors) - expected)
     if unknown:
@@ -237,6 +255,7 @@ def import_head(ckpt_dir: str | Path, target_dir: str | Path, out_dir: str | Pat
     source = {"imported_from": str(ckpt_dir), "format": found, "aux_layers": aux, "aux_ids": meta["aux_ids"],
               "aux_convention": convention if meta["aux_ids"] is not None else "eagle3-default",
               "norm_before_residual": cfg.norm_before_residual, "qk_norm": cfg.qk_norm,
+              "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output,
               "verifier": meta["verifier"], "speculative_tokens": meta["speculative_tokens"],
               "own_embedding": "embed_tokens.weight" in tensors}
     model.save(out_dir, {"import.json": source, **(extra_files or {})})

@@ -60,7 +60,8 @@ def build_variant(v: dict, target_cfg, embed: torch.Tensor, d2t: torch.Tensor, t
         gate_shape=v.get("gate_shape", "scalar"), gate_init=float(v.get("gate_init", 0.5)),
         qk_norm=bool(v.get("qk_norm", True)), block_size=int(v.get("block_size") or 0),
         block_refine=int(v.get("refine_passes") or 0),
-        block_context=v.get("context", "kv"))
+        block_context=v.get("context", "kv"), norm_before_fc=bool(v.get("norm_before_fc", False)),
+        fc_norm=bool(v.get("fc_norm", False)), norm_output=bool(v.get("norm_output", False)))
     model = build_drafter(dc)
     model.set_vocab(embed, d2t)
     if paradigm == "standalone" and target is not None:
@@ -106,7 +107,7 @@ def param_groups(model: Drafter) -> dict[str, list[torch.nn.Parameter]]:
             g = "kv_wk_wv" if name[len(prefix):].startswith(("k_proj", "v_proj")) else "kv_query_out"
         elif name.startswith("gate"):
             g = "gate"
-        elif name.startswith("fc."):
+        elif name.startswith(("fc.", "fc_norm.", "fc_input_norm.")):
             g = "fusion"
         elif name.startswith("lm_head"):
             g = "lm_head"

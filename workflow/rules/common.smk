@@ -1,5 +1,6 @@
 # Helpers shared by every rule file. All stage logic lives in the kvshot package.
 import json
+import re
 import sys
 from pathlib import Path
 

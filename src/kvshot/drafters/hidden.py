@@ -17,6 +17,12 @@ class HiddenDrafter(Drafter):
         super().__init__(cfg)
         h = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_aux * h, h, bias=False)
+        # before fc (each off by default): one norm over the concatenated aux states (norm_before_fc),
+        # or one norm per aux state (fc_norm, EAGLE-3.1); DrafterConfig refuses both at once
+        if cfg.norm_before_fc:
+            self.fc_input_norm = RMSNorm(cfg.num_aux * h, cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(h, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
         # EAGLE-3 normalizes embedding and hidden separately, then concatenates them
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -25,8 +31,21 @@ class HiddenDrafter(Drafter):
 
     def begin(self, ctx: dict[str, Tensor], anchors: Tensor, previous: StepState | None = None) -> StepState:
         state = carried_state(anchors, len(self.layers), previous, ctx.get("anchor_valid"))
-        state.hidden = self.fc(ctx["aux_hidden"].flatten(-2))   # the target's context: fused aux hidden states
+        state.hidden = self.fuse(ctx["aux_hidden"])   # the target's context: fused aux hidden states
         return state
+
+    def fuse(self, aux: Tensor) -> Tensor:
+        """aux [B, T, num_aux, H] -> fc's fusion [B, T, H], each aux state normed first under fc_norm."""
+        if self.cfg.fc_norm:
+            aux = torch.stack([norm(aux[..., i, :]) for i, norm in enumerate(self.fc_norm)], dim=-2)
+        x = aux.flatten(-2)
+        if self.cfg.norm_before_fc:
+            x = self.fc_input_norm(x)
+        return self.fc(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        # norm_output: `step` already returned norm(h), which the head reads as is (normed once)
+        return self.lm_head(hidden) if self.cfg.norm_output else super().logits(hidden)
 
     def hidden_layer(self, state: StepState, i: int, emb: Tensor, h: Tensor, rot: Rotary,
                      k: int) -> tuple[Tensor, Rotary]:
@@ -51,5 +70,7 @@ class HiddenDrafter(Drafter):
         h = state.hidden
         for i in range(len(self.layers)):
             h, rot = self.hidden_layer(state, i, emb, h, rot, k)
+        if self.cfg.norm_output:   # EAGLE-3.1: the next step (and the head) read the post-norm state
+            h = self.norm(h)
         state.hidden = h
         return h

@@ -51,6 +51,21 @@ class DrafterConfig:
     block_context: str = "kv"          # block paradigm: kv (the target's KV cache) | hidden (fused aux hidden states)
     block_refine: int = 0              # block paradigm: refinement passes, each re-reading the previous pass's tokens
     norm_before_residual: bool = False  # hidden paradigm, layer 0: the residual is hidden_norm(h), not h (speculators' switch)
+    norm_before_fc: bool = False       # hidden paradigm: one RMSNorm over the concatenated aux states before fc (speculators)
+    fc_norm: bool = False              # hidden paradigm (EAGLE-3.1): one RMSNorm per aux state before fc; excludes norm_before_fc
+    norm_output: bool = False          # hidden paradigm (EAGLE-3.1): the next step and the head read norm(h), not h
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self, where: str = "drafter config") -> None:
+        """Refuse what cannot be one drafter, in one line naming `where` and the field."""
+        if self.fc_norm and self.norm_before_fc:
+            raise ValueError(f"{where}: field 'fc_norm' with 'norm_before_fc': per-state norms and one norm over "
+                             "their concatenation exclude each other (EAGLE-3.1 uses fc_norm); set one")
+        for key in ("norm_before_fc", "fc_norm", "norm_output"):
+            if getattr(self, key) and self.paradigm != "hidden":
+                raise ValueError(f"{where}: field {key!r}: a hidden-paradigm (EAGLE-3) switch, not {self.paradigm}'s")
 
     def save(self, path: Path) -> None:
         # HF-style self-description first (docs/drafter_format.md), then the fields
@@ -67,7 +82,10 @@ class DrafterConfig:
         unknown = sorted(set(raw) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"{path}: unknown field(s) {unknown} for a kvshot drafter config")
-        return cls(**raw)
+        try:
+            return cls(**raw)
+        except ValueError as err:   # name the file, not the dataclass
+            raise ValueError(str(err).replace("drafter config", str(path), 1)) from None
 
 
 DRAFTER_MODEL_TYPE = "kvshot_drafter"

@@ -1,0 +1,99 @@
+# EAGLE-3.1's attention-drift switches (issue 31; not part of `all`: the default run's time
+# budget is full): `snakemake --cores all figures/drift.pdf`. The drift variants (config
+# `drift.variants`: EAGLE-3.1 and its two single-switch ablations, paradigm hidden) are trained,
+# evaluated step-wise and decoded by the same stages and seeds as the drafters, under
+# results/drift/, then drawn and judged beside the default run's drafters (`drift.compare`,
+# results/eval) and the best of `drift.blocks` (results/blockwise/eval, blockwise.smk's rules).
+
+DRIFT_VARIANTS = [v["name"] for v in (config.get("drift") or {}).get("variants") or []]
+DRIFT_NAMES = "|".join(re.escape(n) for n in DRIFT_VARIANTS) or "(?!)"   # none: the rules match nothing
+DRIFT_COMPARE = list((config.get("drift") or {}).get("compare") or [])
+DRIFT_BLOCKS = list((config.get("drift") or {}).get("blocks") or [])
+
+
+use rule train_drafter as drift_train with:
+    output:
+        directory("results/drift/drafters/{variant}/seed{seed}"),
+    wildcard_constraints:
+        variant=DRIFT_NAMES,
+        seed=r"\d+",
+    params:
+        cfg=variant_params("drafters"),
+        overlay="",
+        launcher=train_launcher(),
+        rank_threads=train_rank_threads(),
+    log:
+        log_path("drift_train", "_{variant}_seed{seed}"),
+    benchmark:
+        bench_path("drift_train", "_{variant}_seed{seed}")
+
+
+use rule eval_stepwise as drift_stepwise with:
+    input:
+        drafters=drafter_seeds("results/drift/drafters/{variant}", SEEDS),
+        target="results/target/model",
+        continuations="results/eval/continuations.json",
+        natural="results/eval/natural.json",
+        features="results/features/eval",
+    output:
+        stepwise="results/drift/eval/{variant}/stepwise.json",
+        natural="results/drift/eval/{variant}/stepwise_natural.json",
+    wildcard_constraints:
+        variant=DRIFT_NAMES,
+    params:
+        cfg=variant_params("target", "drafters", "eval"),
+    log:
+        log_path("drift_stepwise", "_{variant}"),
+    benchmark:
+        bench_path("drift_stepwise", "_{variant}")
+
+
+use rule eval_e2e as drift_e2e with:
+    input:
+        drafters=drafter_seeds("results/drift/drafters/{variant}", SEEDS),
+        target="results/target/model",
+        prompts="results/eval/natural.json",
+        features="results/features/eval",
+    output:
+        "results/drift/eval/{variant}/e2e.json",
+    wildcard_constraints:
+        variant=DRIFT_NAMES,
+    params:
+        cfg=variant_params("target", "drafters", "eval"),
+    log:
+        log_path("drift_e2e", "_{variant}"),
+    benchmark:
+        bench_path("drift_e2e", "_{variant}")
+
+
+rule drift_report:
+    input:
+        drift=expand("results/drift/eval/{variant}/{file}", variant=DRIFT_VARIANTS,
+                     file=["stepwise.json", "stepwise_natural.json", "e2e.json"]),
+        drift_drafters=expand("results/drift/drafters/{variant}/seed{seed}", variant=DRIFT_VARIANTS, seed=SEEDS),
+        compare=expand("results/eval/{variant}/{file}", variant=DRIFT_COMPARE, file=["stepwise.json", "stepwise_natural.json"]),
+        compare_drafters=expand("results/drafters/{variant}/seed{seed}", variant=DRIFT_COMPARE, seed=SEEDS),
+        blocks=expand("results/blockwise/eval/{variant}/{file}", variant=DRIFT_BLOCKS,
+                      file=["stepwise.json", "stepwise_natural.json"]),
+        block_drafters=expand("results/blockwise/drafters/{variant}/seed{seed}", variant=DRIFT_BLOCKS, seed=SEEDS),
+    output:
+        figure=report("figures/drift.pdf", caption="../report/drift.rst", category="Figures"),
+        table="results/drift/drift.csv",
+        claims_md="results/drift/claims.md",
+        claims_json="results/drift/claims.json",
+    params:
+        cfg=stage_params("drafters", "drift"),
+    log:
+        log_path("drift_report"),
+    benchmark:
+        bench_path("drift_report")
+    conda:
+        CPU_ENV
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=20,
+    shell:
+        "python -m kvshot drift-report --config {params.cfg:q} --threads {threads} --results results"
+        " --figure {output.figure} --table {output.table} --claims-md {output.claims_md}"
+        " --claims-json {output.claims_json} > {log} 2>&1"
