@@ -144,9 +144,13 @@ def _cmd_blockwise_report(args, cfg) -> dict:
 def _cmd_drift_report(args, cfg) -> dict:
     from .report.drift import run_drift_report
 
+    from .checks import drift_name_problems
+
     drift = cfg.get("drift") or {}
     if not drift.get("variants"):
         raise ConfigError("config: drift.variants: no EAGLE-3.1 variants to report on")
+    for path, problem in drift_name_problems(cfg)[:1]:
+        raise ConfigError(f"config: {'.'.join(path)}: {problem}")
     return run_drift_report(args.results, [v["name"] for v in drift["variants"]], list(drift.get("compare") or []),
                             list(drift.get("blocks") or []), args.figure, args.table, args.claims_md, args.claims_json)
 

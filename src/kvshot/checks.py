@@ -99,14 +99,6 @@ def check_consistency(cfg: dict, fail: Callable[[list[str], str], None]) -> None
             if v.get("fc_norm") and v.get("norm_before_fc"):   # one norm per aux state, or one over them all
                 fail(path + ["fc_norm"], "excludes norm_before_fc (per-state norms vs one norm over the "
                      "concatenation, EAGLE-3.1 uses fc_norm): set one")
-        drift = cfg.get("drift") or {}
-        for key, section in (("compare", drafters.get("variants") or []),
-                             ("blocks", (cfg.get("blockwise") or {}).get("variants") or [])):
-            names = {v["name"] for v in section}
-            for i, name in enumerate(drift.get(key) or []):
-                if name not in names:
-                    where = "drafters.variants" if key == "compare" else "blockwise.variants"
-                    fail(["drift", key, str(i)], f"{name!r} is not a variant of {where} (have {sorted(names)})")
         tc = drafters["train"]
         if drafters["ttt_steps"] + 2 > tc["max_len"]:
             fail(["drafters", "ttt_steps"], f"{drafters['ttt_steps']} steps need sequences of at least "
@@ -132,6 +124,20 @@ def check_consistency(cfg: dict, fail: Callable[[list[str], str], None]) -> None
     shape = target_shape(cfg)
     if shape is not None:
         _check_target_fit(cfg, shape, fail)
+
+
+def drift_name_problems(cfg: dict) -> list[tuple[list[str], str]]:
+    """(field path, problem) for each `drift.compare` / `drift.blocks` name that is not a variant.
+    Checked by the drift target itself (`kvshot drift-report`), not with every config: a run
+    that overrides drafters.variants must not fail over an optional target it does not ask for."""
+    drift, out = cfg.get("drift") or {}, []
+    for key, section in (("compare", (cfg.get("drafters") or {}).get("variants") or []),
+                         ("blocks", (cfg.get("blockwise") or {}).get("variants") or [])):
+        names = {v["name"] for v in section}
+        where = "drafters.variants" if key == "compare" else "blockwise.variants"
+        out += [(["drift", key, str(i)], f"{name!r} is not a variant of {where} (have {sorted(names)})")
+                for i, name in enumerate(drift.get(key) or []) if name not in names]
+    return out
 
 
 def _check_target_fit(cfg: dict, shape: TargetShape, fail: Callable[[list[str], str], None]) -> None:
