@@ -6,11 +6,10 @@ T = 1), one row per variant and draft mode inside a group. The CSV is long (one 
 temperature, variant, mode and benchmark) and adds the acceptance per draft position."""
 from __future__ import annotations
 
-import csv
-import io
 from pathlib import Path
 
 from ..io import read_json
+from .tables import csv_text
 
 
 def load_benchmarks(results: str | Path, variants: list[str]) -> list[dict]:
@@ -77,14 +76,6 @@ def latex(rows: list[dict]) -> str:
         lines += [r"\midrule", rf"\multicolumn{{{2 + 2 * len(benches)}}}{{l}}{{$T = {t:g}$}} \\"]
         lines += [" & ".join(esc(r[h]) for h in r) + r" \\" for r in group]
     return "\n".join(lines + [r"\bottomrule", r"\end{tabular}"]) + "\n"
-
-
-def csv_text(rows: list[dict]) -> str:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else [])
-    w.writeheader()
-    w.writerows(rows)
-    return buf.getvalue()
 
 
 def table_files(records: list[dict]) -> dict[str, str]:

@@ -189,7 +189,7 @@ def paper_rows(variants: list[Variant]) -> list[dict]:
     return rows
 
 
-def _csv(rows: list[dict]) -> str:
+def csv_text(rows: list[dict]) -> str:
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else [])
     w.writeheader()
@@ -283,7 +283,7 @@ def write_tables(variants: list[Variant], out_dir: str | Path,
     tables = {name: fn(variants) for name, fn in TABLES.items()}
     with atomic_dir(out_dir) as tmp:
         for name, rows in tables.items():
-            (tmp / f"{name}.csv").write_text(_csv(rows))
+            (tmp / f"{name}.csv").write_text(csv_text(rows))
             (tmp / f"{name}.md").write_text(_markdown(rows))
             (tmp / f"{name}.tex").write_text(_latex(rows))
         for name, text in (extra or {}).items():
@@ -293,4 +293,4 @@ def write_tables(variants: list[Variant], out_dir: str | Path,
 
 def write_rows(rows: list[dict], path: str | Path) -> None:
     """One CSV file, atomically."""
-    write_text(path, _csv(rows))
+    write_text(path, csv_text(rows))
