@@ -28,6 +28,9 @@ from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_
 from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
+# ops that read a fake tensor's value: answered by the worst case (`ShapeMeter._worst`), never
+# decomposed (under inference_mode item and is_nonzero arrive whole, composite as they are)
+READS_A_VALUE = (aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.nonzero.default)
 GB = 1e9   # reports are in GB of 10^9 bytes
 
 
@@ -92,7 +95,7 @@ class ShapeMeter(TorchDispatchMode):
         self.worst_cases[str(func)] = self.worst_cases.get(str(func), 0) + 1
         if func is aten.is_nonzero.default:   # bool(t): a condition holds
             return True
-        if func in (aten._local_scalar_dense.default, aten.item.default):   # item, is_nonzero: reached as such under inference_mode
+        if func in (aten._local_scalar_dense.default, aten.item.default):
             return worst_scalar(args[0])
         x = args[0]   # nonzero: every element is nonzero
         with self.fake:
@@ -113,7 +116,7 @@ class ShapeMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "aten" and torch._C._dispatch_has_kernel_for_dispatch_key(
+        if func.namespace == "aten" and func not in READS_A_VALUE and torch._C._dispatch_has_kernel_for_dispatch_key(
                 func.name(), "CompositeImplicitAutograd"):
             # under inference_mode composite ops (linear, matmul, item) arrive whole: run their
             # decomposition through the meter, so its matmuls are counted and its scalars seen
@@ -123,8 +126,7 @@ class ShapeMeter(TorchDispatchMode):
                 return out
         tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         faked = any(isinstance(x, FakeTensor) for x in tensors)
-        if faked and func in (aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default,
-                              aten.nonzero.default):
+        if faked and func in READS_A_VALUE:
             out = self._worst(func, args)
         elif faked and func is aten.index.Tensor and any(
                 isinstance(i, FakeTensor) and i.dtype == torch.bool for i in args[1] if i is not None):
