@@ -93,9 +93,20 @@ def test_drift_is_its_own_snakemake_target(tmp_path):
     from .test_pipeline import snakemake, workdir
 
     wd = workdir(tmp_path)
-    proc = snakemake(wd, "figures/drift.pdf", "-n", "--cores", "1", "--configfile", "config/smoke.yaml")
+    proc = snakemake(wd, "figures/drift.pdf", "-n", "-p", "--cores", "1", "--configfile", "config/smoke.yaml")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "warning" not in out.lower(), out[-3000:]
+    # the report job's own config holds every section its name check reads (drift.blocks names
+    # blockwise.variants: a run without that section failed at the last job)
+    import shlex
+
+    from kvshot.checks import drift_name_problems
+    from kvshot.config import read_config
+
+    line = next(l for l in out.splitlines() if "python -m kvshot drift-report" in l)
+    words = shlex.split(line)
+    job_cfg = read_config([words[words.index("--config") + 1]], ("drafters", "drift", "blockwise"))
+    assert job_cfg["drift"]["blocks"] and drift_name_problems(job_cfg) == []
     jobs = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", out[out.index("Job stats:"):], re.M)}
     # smoke: 3 drift variants x 2 seeds; eagle3, kv-d1/2/4 and the hybrid; block-kv-d1 (drift.blocks)
     assert jobs["drift_train"] == 6 and jobs["drift_stepwise"] == 3 and jobs["drift_e2e"] == 3

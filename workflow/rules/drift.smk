@@ -82,7 +82,7 @@ rule drift_report:
         claims_md="results/drift/claims.md",
         claims_json="results/drift/claims.json",
     params:
-        cfg=stage_params("drafters", "drift"),
+        cfg=stage_params("drafters", "drift", "blockwise"),
     log:
         log_path("drift_report"),
     benchmark:
