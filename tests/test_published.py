@@ -320,7 +320,8 @@ def test_publisher_decoding_and_the_table(tmp_path):
     """Each head's stage config carries its publisher's chain or tree; the table sets our tau
     beside theirs with the relative difference and a verdict against the tolerance."""
     from kvshot.config import read_config
-    from kvshot.published import head_stage_config, published_table, resolve_weights
+    from kvshot.published import head_stage_config, resolve_weights
+    from kvshot.report.published import published_table
 
     repo = __import__("pathlib").Path(__file__).resolve().parents[1]
     cfg = read_config([str(repo / "config/config.yaml"), str(repo / "config/paper.yaml")])
@@ -331,14 +332,33 @@ def test_publisher_decoding_and_the_table(tmp_path):
          "weights": "hub:RedHatAI/Qwen3-8B-speculator.eagle3@08610ffa01dd9f16731fe8f627b85905b6aa51c4"}]
     angel = head_stage_config(stage_config(cfg, "target", "drafters", "eval"), heads["angelslim-eagle3"])
     assert angel["eval"]["e2e"]["tree"] == {"depth": 6, "topk": 10, "total_tokens": 60}
+    # the benchmarks axis at the publisher's shape and temperatures only
+    bench = angel["eval"]["e2e"]["benchmarks"]
+    assert bench["modes"] == ["tree"] and bench["temperatures"] == [0.0, 1.0]
+    assert redhat["eval"]["e2e"]["benchmarks"]["modes"] == ["chain"]
+    assert redhat["eval"]["e2e"]["benchmarks"]["temperatures"] == [0.0]   # RedHatAI's figures are T = 0 only
     assert resolve_weights("/some/folder") == "/some/folder"
     for name, tau in (("redhat-eagle3", 2.80), ("angelslim-eagle3", 3.00)):
         (tmp_path / name).mkdir()
         mode = heads[name]["decoding"]["mode"]
         (tmp_path / name / "e2e.json").write_text(json.dumps({"lossless": True, "modes": {mode: {"tau": tau}}}))
+
+    def cell(tau):
+        return {"modes": {"tree": {"tau": tau, "intervals": {"tau": {"ci": [tau - 0.2, tau + 0.2]}}}}}
+
+    # AngelSlim's head also ran the benchmarks axis: MT-Bench and GSM8K at T = 0 and T = 1
+    (tmp_path / "angelslim-eagle3" / "benchmarks.json").write_text(json.dumps({"benchmarks": {
+        "mt-bench": {"temperatures": {"T=0": cell(3.50), "T=1": cell(2.00)}},
+        "gsm8k": {"temperatures": {"T=0": cell(3.80)}}}}))
     out = published_table(cfg["published"], tmp_path, tmp_path / "table.md")
-    judged = {r["head"]: r for r in out["rows"] if r["ours"] is not None}
-    assert judged["redhat-eagle3"]["verdict"] == "within"      # 2.80 vs 2.72: +2.9%
-    assert judged["angelslim-eagle3"]["verdict"] == "outside"  # 3.00 vs 3.65: -17.8%
+    judged = {(r["head"], r["T"], r["benchmark"]): r for r in out["rows"] if r["ours"] is not None}
+    assert set(judged) == {("redhat-eagle3", "T0", "mtbench"), ("angelslim-eagle3", "T0", "mtbench"),
+                           ("angelslim-eagle3", "T1", "mtbench"), ("angelslim-eagle3", "T0", "gsm8k")}
+    assert judged["redhat-eagle3", "T0", "mtbench"]["verdict"] == "within"       # e2e.json: 2.80 vs 2.72, +2.9%
+    assert judged["angelslim-eagle3", "T0", "mtbench"]["verdict"] == "within"    # 3.50 vs 3.65: -4.1%
+    assert judged["angelslim-eagle3", "T1", "mtbench"]["verdict"] == "outside"   # 2.00 vs 2.75: -27.3%
+    assert judged["angelslim-eagle3", "T0", "gsm8k"]["rel_diff"] == pytest.approx(3.80 / 3.90 - 1)
     text = (tmp_path / "table.md").read_text()
-    assert "| redhat-eagle3 | chain 7 | 0 | mtbench | 2.72 | 2.80 | +2.9% | within | yes |" in text
+    assert "| redhat-eagle3 | chain 7 | 0 | mtbench | 2.72 | 2.80 | - | +2.9% | within | yes |" in text
+    assert "| angelslim-eagle3 | tree 6/10/60 | 1 | mtbench | 2.75 | 2.00 | [1.80, 2.20] | -27.3% | outside | yes |" in text
+    assert "| angelslim-eagle3 | tree 6/10/60 | 0 | alpaca | 3.48 | - | - | - | not run" in text

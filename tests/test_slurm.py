@@ -209,7 +209,7 @@ def test_paper_dry_run_job_counts(paper_dry_run):
     assert (count["drift_train"], count["drift_stepwise"], count["drift_e2e"], count["drift_report"]) == (3, 3, 3, 1)
     # the published heads (paper config published.heads): imported, then the same evaluation
     assert (count["import_published"], count["published_stepwise"], count["published_e2e"],
-            count["published_table"]) == (2, 2, 2, 1)
+            count["published_benchmarks"], count["published_table"]) == (2, 2, 2, 2, 1)
     cpu_job = sbatch_options(next(j for j in jobs if j["rule"] == "prepare_data"))
     assert "-p cpu" in cpu_job and "--gpus" not in cpu_job and "--cpus-per-task=1" in cpu_job
 

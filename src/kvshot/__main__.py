@@ -156,7 +156,7 @@ def _cmd_drift_report(args, cfg) -> dict:
 
 
 def _cmd_published_table(args, cfg) -> dict:
-    from .published import published_table
+    from .report.published import published_table
 
     if not (cfg.get("published") or {}).get("heads"):
         raise ConfigError("config: published.heads: no published heads to tabulate")
@@ -185,7 +185,7 @@ STAGES = {
     "report": (_cmd_report, ("drafters",)),
     "scaling-report": (_cmd_scaling_report, ("drafters", "scaling")),
     "blockwise-report": (_cmd_blockwise_report, ("drafters", "blockwise")),
-    "drift-report": (_cmd_drift_report, ("drafters", "drift")),
+    "drift-report": (_cmd_drift_report, ("drafters", "drift", "blockwise")),
     "readme": (_cmd_readme, ("drafters",)),
     "published-table": (_cmd_published_table, ("published",)),
     "export": (_cmd_export, ("features",)),

@@ -309,43 +309,13 @@ def head_stage_config(cfg: dict, head: dict) -> dict:
             cfg["eval"]["e2e"]["tree"] = {k: dec[k] for k in ("depth", "topk", "total_tokens")}
         if dec.get("max_new_tokens"):
             cfg["eval"]["e2e"]["max_new_tokens"] = dec["max_new_tokens"]
+        bench = cfg["eval"]["e2e"].get("benchmarks")
+        if bench:   # the publisher's shape only, at the temperatures it reports
+            bench["modes"] = [dec["mode"]]
+            bench["temperatures"] = sorted({float(t[1:]) for t in head["published"]}) or bench["temperatures"]
+            if dec.get("max_new_tokens"):
+                bench["max_new_tokens"] = dec["max_new_tokens"]
     return cfg
-
-
-def published_table(published: dict, results: str | Path, out: str | Path) -> dict:
-    """results/published/table.md: each head's tau (eval-e2e, its publisher's mode, T = 0) beside
-    the publisher's figures, with the relative difference and a verdict against `tolerance`
-    (judged on MT-Bench, the paper config's prompt suite; the other benchmarks are shown, not run)."""
-    from .io import write_text
-
-    tol = float(published["tolerance"])
-    lines = [f"# Published EAGLE-3 heads through kvshot's harness (tolerance {tol:.0%}, docs/published-heads.md)", "",
-             "| head | decoding | T | benchmark | published tau | our tau | rel. diff | verdict | lossless |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    rows = []
-    for head in published["heads"]:
-        e2e = json.loads((Path(results) / head["name"] / "e2e.json").read_text())
-        mode = head["decoding"]["mode"]
-        ours = e2e["modes"][mode]["tau"]
-        lossless = bool(e2e.get("lossless"))
-        dec = head["decoding"]
-        shape = f"chain {dec.get('depth')}" if mode == "chain" else \
-            f"tree {dec['depth']}/{dec['topk']}/{dec['total_tokens']}"
-        for temp, figures in head["published"].items():
-            for bench, theirs in figures.items():
-                judged = temp == "T0" and bench == "mtbench"
-                diff = (ours - theirs) / theirs if judged else None
-                verdict = ("within" if abs(diff) <= tol else "outside") if judged else "not run (other prompts/T)"
-                rows.append({"head": head["name"], "mode": mode, "T": temp, "benchmark": bench, "published": theirs,
-                             "ours": ours if judged else None, "rel_diff": diff, "verdict": verdict,
-                             "lossless": lossless})
-                lines.append(f"| {head['name']} | {shape} | {temp[1:]} | {bench} | {theirs:.2f} | "
-                             f"{f'{ours:.2f}' if judged else '-'} | {f'{diff:+.1%}' if judged else '-'} | {verdict} | "
-                             f"{'yes' if lossless else 'NO'} |")
-    lines += ["", "Our tau: eval-e2e on the paper config's e2e prompts at T = 0 (greedy), the publisher's chain or "
-              "tree; sources: config `published.heads[].source`."]
-    write_text(out, "\n".join(lines) + "\n")
-    return {"out": str(out), "rows": rows}
 
 
 # ---------------------------------------------------------------- the import entry points
@@ -394,5 +364,5 @@ def import_variant(cfg: dict, name: str, target_dir: str, features_dir: str, out
 
 __all__ = ["LAYOUTS", "AUX_CONVENTIONS", "hf_aux_layers", "detect_layout", "read_head_config", "head_from_tensors",
            "import_head", "head_aux_layers", "eagle_aux_ids", "resolve_weights", "head_variant",
-           "head_stage_config", "published_table", "drafter_from_eagle3", "import_eagle3",
+           "head_stage_config", "drafter_from_eagle3", "import_eagle3",
            "import_variant"]

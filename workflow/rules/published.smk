@@ -71,10 +71,31 @@ use rule eval_e2e as published_e2e with:
         bench_path("published_e2e", "_{variant}")
 
 
+use rule eval_benchmarks as published_benchmarks with:
+    input:
+        drafters="results/published/{variant}/drafter",
+        target="results/target/model",
+        eval="results/data/eval.jsonl",
+        features="results/features/eval",
+    output:
+        "results/published/{variant}/benchmarks.json",
+    wildcard_constraints:
+        variant=PUBLISHED_NAMES,
+    params:
+        cfg=published_params("target", "drafters", "eval"),
+    log:
+        log_path("published_benchmarks", "_{variant}"),
+    benchmark:
+        bench_path("published_benchmarks", "_{variant}")
+
+
 rule published_table:
     input:
         e2e=expand("results/published/{variant}/e2e.json", variant=list(PUBLISHED)),
         stepwise=expand("results/published/{variant}/stepwise.json", variant=list(PUBLISHED)),
+        benchmarks=expand("results/published/{variant}/benchmarks.json", variant=list(PUBLISHED))
+        if config["eval"]["e2e"].get("benchmarks")
+        else [],
     output:
         "results/published/table.md",
     params:
