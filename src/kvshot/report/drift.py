@@ -119,12 +119,16 @@ def drift_figure(order: list[tuple[Variant, str]], protocol: str, path) -> None:
     left.set_xlabel("draft step k")
     left.set_ylabel(r"$\alpha_k$ (conditional acceptance)")
     left.set_ylim(0, 1)
-    left.legend(fontsize=7, loc="lower left")
+    left.legend(fontsize=6, loc="lower left", ncol=2)
     names = [v.name for v, _ in order]
     rets = [retention_of(v) for v, _ in order]
     values = [e.value if e.enough else 0.0 for e in rets]
     right.barh(range(len(order)), values, xerr=_err(values, [e.ci if e.enough else (0.0, 0.0) for e in rets]),
                capsize=3, color=[f"C{i}" for i in range(len(order))])
+    for i, e in enumerate(rets):   # no bar: say why, not a zero
+        if not e.enough:
+            right.text(0.02, i, f"insufficient data (n={e.rounds} at the last step)", va="center", fontsize=7,
+                       transform=right.get_yaxis_transform())
     right.set_yticks(range(len(order)), names, fontsize=8)
     right.invert_yaxis()
     last = min(len(v.stepwise["alpha_observed"]) for v, _ in order) - 1 if order else 6
