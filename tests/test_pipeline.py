@@ -136,6 +136,24 @@ def test_smoke_dag_end_to_end(tmp_path):
         assert (wd / f"figures/{fig}.pdf").read_bytes()[:4] == b"%PDF"
     assert "rule train_drafter:" not in proc.stdout + proc.stderr   # the default run's drafters were reused
 
+    # the drift target on top: EAGLE-3.1 and its ablations train, evaluate step-wise and decode
+    # losslessly; the report reuses the chains and the block variant and judges retention
+    proc = snakemake(wd, "figures/drift.pdf", "--cores", "2", "--configfile", "config/smoke.yaml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "rule train_drafter:" not in out and "rule blockwise_train:" not in out
+    for name in ("eagle3.1", "eagle3-fcnorm", "eagle3-postnorm"):
+        switches = json.loads((wd / f"results/drift/drafters/{name}/seed0/config.json").read_text())
+        assert switches["fc_norm"] == (name != "eagle3-postnorm") and switches["norm_output"] == (name != "eagle3-fcnorm")
+        assert json.loads((wd / f"results/drift/eval/{name}/e2e.json").read_text())["lossless"] is True
+        stepwise = json.loads((wd / f"results/drift/eval/{name}/stepwise_natural.json").read_text())
+        assert len(stepwise["alpha"]) == 7 and [s["seed"] for s in stepwise["per_seed"]] == [0, 1]
+    drift_claims = {c["claim"]: c for c in json.loads((wd / "results/drift/claims.json").read_text())}
+    assert {"EAGLE-3.1 retains more than EAGLE-3 at long range",
+            "KV-only at depth 4 retains more than EAGLE-3.1"} <= set(drift_claims)
+    assert all(c["verdict"] for c in drift_claims.values())
+    assert (wd / "figures/drift.pdf").read_bytes()[:4] == b"%PDF"
+
 
 def test_paper_dag_dry_runs_with_the_default_rule_graph(tmp_path):
     wd = workdir(tmp_path)
