@@ -13,17 +13,16 @@ def bench_key(name: str) -> str:
     return "".join(c for c in name.lower() if c.isalnum())
 
 
-def our_tau(results: Path, head: dict, temp: str, bench: str) -> tuple[float, list | None] | None:
-    """A head's tau on one benchmark at one temperature (T0, T1): eval-benchmarks' cell with its
-    prompt bootstrap interval; without a benchmarks.json, MT-Bench at T = 0 from eval-e2e."""
-    mode = head["decoding"]["mode"]
-    path = results / head["name"] / "benchmarks.json"
-    if path.is_file():
-        runs = {bench_key(k): v for k, v in json.loads(path.read_text())["benchmarks"].items()}
-        cell = runs.get(bench, {}).get("temperatures", {}).get(f"T={float(temp[1:]):g}", {}).get("modes", {}).get(mode)
+def our_tau(runs: dict | None, e2e: dict, mode: str, temp: str, bench: str) -> tuple[float, list | None] | None:
+    """A head's tau on one benchmark at one temperature (T0, T1): eval-benchmarks' cell (`runs`,
+    keyed by `bench_key`) with its prompt bootstrap interval; without them, MT-Bench at T = 0 from eval-e2e."""
+    from ..benchmarks import temperature_key
+
+    if runs is not None:
+        cell = runs.get(bench, {}).get("temperatures", {}).get(temperature_key(float(temp[1:])), {}).get("modes", {}).get(mode)
         return (cell["tau"], cell["intervals"]["tau"]["ci"]) if cell else None
     if temp == "T0" and bench == "mtbench":
-        return json.loads((results / head["name"] / "e2e.json").read_text())["modes"][mode]["tau"], None
+        return e2e["modes"][mode]["tau"], None
     return None
 
 
@@ -37,13 +36,17 @@ def published_table(published: dict, results: str | Path, out: str | Path) -> di
              "|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for head in published["heads"]:
-        lossless = bool(json.loads((results / head["name"] / "e2e.json").read_text()).get("lossless"))
+        e2e = json.loads((results / head["name"] / "e2e.json").read_text())
+        bench_file = results / head["name"] / "benchmarks.json"   # each file read once per head
+        runs = {bench_key(k): v for k, v in json.loads(bench_file.read_text())["benchmarks"].items()} \
+            if bench_file.is_file() else None
+        lossless = bool(e2e.get("lossless"))
         dec = head["decoding"]
         shape = f"chain {dec.get('depth')}" if dec["mode"] == "chain" else \
             f"tree {dec['depth']}/{dec['topk']}/{dec['total_tokens']}"
         for temp, figures in head["published"].items():
             for bench, theirs in figures.items():
-                got = our_tau(results, head, temp, bench)
+                got = our_tau(runs, e2e, dec["mode"], temp, bench)
                 ours, ci = got if got else (None, None)
                 diff = (ours - theirs) / theirs if got else None
                 verdict = ("within" if abs(diff) <= tol else "outside") if got else "not run (set or T not configured)"
