@@ -103,3 +103,20 @@ def test_a_batch_without_scored_rows_measures_nothing(drafter_world):
     batch = drafter_world[0].batch([0, 1])
     batch["loss_mask"] = batch["loss_mask"] * 0
     assert attention_diagnostics(make(drafter_world, "hybrid"), batch, K) == {}
+
+
+def test_attention_diagnostics_shared_out_over_processes_sum_to_one_processes(drafter_world):
+    """The trainer's DDP share-out: process r measures batches r, r + world, ... (the own-key mass
+    on the first, so on process 0); the summed totals give what one process measures on all."""
+    from kvshot.diagnostics import attention_summary, attention_totals
+
+    src = drafter_world[0]
+    model = make(drafter_world, "hybrid")
+    batches = [src.batch([0, 1]), src.batch([2, 3]), src.batch([1, 2])]
+    one = attention_diagnostics(model, batches, K)
+    for world in (2, 3):
+        parts = [attention_totals(model, batches, K, rank=r, world=world) for r in range(world)]
+        assert all(len(p) == len(parts[0]) for p in parts)
+        got = attention_summary(model, [sum(x) for x in zip(*parts)], K)
+        assert got.keys() == one.keys() and all(got[k] == pytest.approx(one[k], rel=1e-9) for k in one)
+    assert parts[1][0] == parts[2][0] == 0   # only process 0 ran the own-key mass

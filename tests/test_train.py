@@ -276,16 +276,20 @@ def test_training_lowers_the_loss_and_logs_diagnostics(tiny, tiny_features, tmp_
 
 
 def test_two_process_ddp_matches_one_process(tiny, tiny_features, tmp_path):
-    """The same global batches (length-grouped) on 1 and 2 processes: the same weights, the
-    same logged loss, loss_k and acc_k (over every process's sequences, not rank 0's), and the
-    same held-out curve and final evaluation (each process evaluating its share)."""
+    """The same global batches (length-grouped) on 1 and 2 processes: the same weights (the
+    gradients DDP's bucket views; a hybrid-warm step holding the hidden path back), the same
+    logged loss, objective, loss_k and acc_k (over every process's sequences, not rank 0's),
+    the same diagnostics (the key share and the gradient positions from both processes'
+    sequences, the probe batches' attention diagnostics shared out and summed), and the same
+    held-out curve and final evaluation (each process evaluating its share)."""
     cfg = small_cfg(tiny, max_steps=3, batch_size=4, ckpt_every=100, log_every=1, eval_every=3, eval_batches=2,
                     length_grouping=2)
-    run(tiny, tiny_features, cfg, tmp_path / "one", "kv2")
+    cfg["drafters"]["variants"][0]["kv_warmup_steps"] = 1   # "hyb": step 0 trains the KV branch alone
+    run(tiny, tiny_features, cfg, tmp_path / "one", "hyb")
     cfg_file = tmp_path / "cfg.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args(2), "-m", "kvshot", "train-drafter", "--config", str(cfg_file), "--threads", "1",
-           "--variant", "kv2", "--train-features", str(tiny_features["train"]),
+           "--variant", "hyb", "--train-features", str(tiny_features["train"]),
            "--eval-features", str(tiny_features["eval"]), "--target", str(tiny["model"]), "--out", str(tmp_path / "two")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -299,8 +303,17 @@ def test_two_process_ddp_matches_one_process(tiny, tiny_features, tmp_path):
     assert len(log_a) == len(log_b) == 3
     for ra, rb in zip(log_a, log_b):
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4)
+        assert rb["objective"] == pytest.approx(ra["objective"], rel=1e-4)
         assert rb["loss_k"] == pytest.approx(ra["loss_k"], rel=1e-4)
         assert rb["acc_k"] == pytest.approx(ra["acc_k"], abs=1e-9)
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-3)
+        assert rb["kv_key_share"] == pytest.approx(ra["kv_key_share"], rel=1e-6)
+        for key in ("kv_own_key_mass_k", "kv_own_key_mass", "gate_share"):   # the same probe batches, shared out
+            assert rb[key] == pytest.approx(ra[key], rel=1e-3), key
+        # sampled rows (each process its half of the sample): the same estimate, not the same rows
+        assert rb["grad_position_rows"] == pytest.approx(ra["grad_position_rows"], rel=0.25)
+        for key in ("kv_grad_positions", "query_grad_positions", "kv_grad_position_ratio", "kv_grad_on_own_keys"):
+            assert rb[key] == pytest.approx(ra[key], rel=0.25), key
     one = json.loads((tmp_path / "one/metrics.json").read_text())
     (pa,), (pb,) = one["heldout_curve"], metrics["heldout_curve"]
     assert pb["heldout_loss_k"] == pytest.approx(pa["heldout_loss_k"], rel=1e-4)

@@ -14,7 +14,8 @@ gate_share       per hybrid layer, |g * delta| / |h|: the norm of the gated KV c
 Both come from one plain K-step unroll (`ttt.reference_unroll`'s loop) per diagnostic batch,
 with the probabilities from `attention.reference_attention` on a subsample of rows. The gate
 share pools the scored rows of several held-out batches (train.diagnostic_sequences) into one
-log point; the costlier own-key mass is read on the first of them.
+log point; the costlier own-key mass is read on the first of them. Under DDP the trainer
+shards the batches over the processes and all-reduces the sums (`attention_totals`).
 
 kv_grad_positions / query_grad_positions  (`GradientPositions`, from the real backward of a
                  logging step) per scored query row of a KV-path attention, the effective number
@@ -23,6 +24,8 @@ kv_grad_positions / query_grad_positions  (`GradientPositions`, from the real ba
                  whose gradient reaches W_Q/W_O (every attended key and value); their per-row
                  ratio is `kv_grad_position_ratio`. This is the paper's sparse-gradient
                  mechanism counted where it acts, not a ratio of parameter-gradient norms.
+                 Under DDP each process samples its share of the rows and the sums are
+                 all-reduced (`GradientPositions.totals`, `summarize`).
 """
 from __future__ import annotations
 
@@ -51,14 +54,16 @@ def own_key_mass(q: Tensor, prefix_k: Tensor, visible: Tensor, diag: Diagonal | 
 
 
 class _Recorder:
-    """Sums per (step, layer) over the rows that step k scores."""
+    """Sums per (step, layer) over the rows that step k scores: own-key mass [step][layer] and
+    gate share [layer], each a [sum, count], and how often each was recorded."""
 
-    def __init__(self, steps: int, max_rows: int):
+    def __init__(self, steps: int, max_rows: int, kv_layers: int, gate_layers: int):
         self.steps, self.max_rows = steps, max_rows
         self.step = 0
         self.rows: Tensor | None = None        # [B, T] bool: rows with a label at the current step
-        self.mass: dict[tuple[int, int], list[float]] = {}
-        self.gate: dict[int, list[float]] = {}
+        self.mass_calls = 0
+        self.mass = [[[0.0, 0] for _ in range(kv_layers)] for _ in range(steps)]
+        self.gate = [[0.0, 0, 0] for _ in range(gate_layers)]   # sum, count, calls
 
     def sample(self, tq: int, device) -> Tensor:
         """An even subsample of at most max_rows row indices (the reference holds [H, rows, keys])."""
@@ -74,31 +79,50 @@ class _Recorder:
         sub = None if diag is None else Diagonal(diag.k[:, :, :, rows], diag.v[:, :, :, rows])
         mass = own_key_mass(q[:, :, rows], prefix.k, mask.visible()[:, rows], sub).mean(1)   # [B, R] over heads
         keep = self.rows[:, rows]
-        acc = self.mass.setdefault((self.step, layer), [0.0, 0])
+        acc = self.mass[self.step][layer]
         acc[0] += float(mass[keep].sum())
         acc[1] += int(keep.sum())
+        self.mass_calls += 1
 
     def gated(self, layer: int, h: Tensor, correction: Tensor) -> None:
         ratio = correction.float().norm(dim=-1) / h.float().norm(dim=-1).clamp(min=1e-12)   # [B, T]
-        acc = self.gate.setdefault(layer, [0.0, 0])
+        acc = self.gate[layer]
         acc[0] += float(ratio[self.rows].sum())
         acc[1] += int(self.rows.sum())
+        acc[2] += 1
 
-    def summary(self) -> dict:
-        out = {}
-        if self.mass:
-            per_step = []
-            for k in range(self.steps):
-                parts = [v for (s, _), v in self.mass.items() if s == k]
-                n = sum(c for _, c in parts)
-                per_step.append(sum(m for m, _ in parts) / n if n else None)
-            defined = [x for x in per_step if x is not None]
-            out["kv_own_key_mass_k"] = per_step
-            out["kv_own_key_mass"] = sum(defined) / len(defined) if defined else None
-        if self.gate:
-            out["gate_share"] = [self.gate[i][0] / self.gate[i][1] if self.gate[i][1] else None
-                                 for i in sorted(self.gate)]
-        return out
+    def totals(self) -> list[float]:
+        """[mass calls, mass sums [step][layer], mass counts [step][layer], gate (sum, count, calls)
+        per layer]: what processes add up (`attention_summary` reads it)."""
+        return [float(self.mass_calls), *[m[0] for per in self.mass for m in per],
+                *[float(m[1]) for per in self.mass for m in per], *[float(x) for g in self.gate for x in g]]
+
+
+def _layers(model: Drafter) -> tuple[int, int]:
+    """(KV-path attentions, gated hybrid layers) of a drafter: the shape of its totals."""
+    return len(model.kv_attentions()), (model.cfg.num_layers if hasattr(model, "gate_probe") else 0)
+
+
+def attention_summary(model: Drafter, totals: list[float], steps: int) -> dict:
+    """`attention_diagnostics`' record from `attention_totals` (one process's, or their sum)."""
+    kv, gates = _layers(model)
+    if not totals:
+        return {}
+    calls, cells = totals[0], steps * kv
+    sums, counts, gate = totals[1: 1 + cells], totals[1 + cells: 1 + 2 * cells], totals[1 + 2 * cells:]
+    out = {}
+    if calls > 0:
+        per_step = []
+        for k in range(steps):
+            n = sum(counts[k * kv: (k + 1) * kv])
+            per_step.append(sum(sums[k * kv: (k + 1) * kv]) / n if n else None)
+        defined = [x for x in per_step if x is not None]
+        out["kv_own_key_mass_k"] = per_step
+        out["kv_own_key_mass"] = sum(defined) / len(defined) if defined else None
+    called = [(gate[3 * i], gate[3 * i + 1]) for i in range(gates) if gate[3 * i + 2] > 0]
+    if called:
+        out["gate_share"] = [m / n if n else None for m, n in called]
+    return out
 
 
 @contextmanager
@@ -132,14 +156,26 @@ def attention_diagnostics(model: Drafter, batches: dict[str, Tensor] | list[dict
     batch or a list: the log point's diagnostic batches), each on its first `sequences` sequences
     that have a scored row; empty for a drafter with neither, or batches with no scored row.
     Teacher-forced, every anchor, as training computes the loss."""
+    return attention_summary(model, attention_totals(model, batches, steps, sequences, max_rows), steps)
+
+
+@torch.no_grad()
+def attention_totals(model: Drafter, batches: dict[str, Tensor] | list[dict[str, Tensor]], steps: int,
+                     sequences: int = 2, max_rows: int = 128, *, rank: int = 0, world: int = 1) -> list[float]:
+    """The sums `attention_diagnostics` averages (`attention_summary` reads them), over this
+    process's share of the batches: batch i on process i % world, so the own-key mass (first
+    batch) on process 0. Summed over the processes they are one process's sums over every batch.
+    [] for a drafter with neither diagnostic."""
     if not model.kv_attentions() and not hasattr(model, "gate_probe"):
-        return {}
-    rec = _Recorder(steps, max_rows)
+        return []
+    rec = _Recorder(steps, max_rows, *_layers(model))
     batches = [batches] if isinstance(batches, dict) else batches
     gated = hasattr(model, "gate_probe")
     # the gate share is cheap (one unroll) and averaged over every batch; the own-key mass needs
     # the reference attention per layer and step, so its first batch carries it alone
     for i, batch in enumerate(batches if gated else batches[:1]):
+        if i % world != rank:
+            continue
         labelled = shift(assistant_tokens(batch), 2, False).any(1)   # sequences with a scored row at step 0
         chosen = labelled.nonzero().view(-1)[:sequences]
         if len(chosen) == 0:
@@ -152,7 +188,7 @@ def attention_diagnostics(model: Drafter, batches: dict[str, Tensor] | list[dict
             for k in range(steps):
                 rec.step, rec.rows = k, shift(assistant_tokens(sub), k + 2, False)
                 model.step(state, shift(ids, k + 1), anchors + k + 1, k)
-    return rec.summary()
+    return rec.totals()
 
 
 # ---------------------------------------------------------------- where the KV path's gradient comes from
@@ -213,7 +249,9 @@ class GradientPositions:
     into per-row position counts before the optimizer moves the weights. Rows without a loss
     (zero gradient) are left out. enabled=False: nothing is patched."""
 
-    def __init__(self, model: Drafter, enabled: bool = True, max_rows: int = 32):
+    MAX_ROWS = 32   # rows sampled per call for the whole batch (the trainer: each process its share)
+
+    def __init__(self, model: Drafter, enabled: bool = True, max_rows: int = MAX_ROWS):
         self.model, self.enabled, self.max_rows = model, enabled and bool(model.kv_attentions()), max_rows
         self.sums = {"kv": 0.0, "query": 0.0, "ratio": 0.0, "on_own": 0.0}
         self.rows = 0
@@ -266,14 +304,23 @@ class GradientPositions:
             del attn.attend
         self._patched = []
 
+    def totals(self) -> list[float]:
+        """[kv, query, ratio, on_own sums, rows]: what processes add up (`summarize`)."""
+        return [self.sums["kv"], self.sums["query"], self.sums["ratio"], self.sums["on_own"], float(self.rows)]
+
+    @staticmethod
+    def summarize(totals: list[float]) -> dict:
+        """Means over the scored sampled rows of every KV-path call (layers, steps) from `totals`
+        (one process's, or their sum); empty if none."""
+        kv, query, ratio, on_own, n = totals
+        if not n:
+            return {}
+        return {"kv_grad_positions": kv / n, "query_grad_positions": query / n, "kv_grad_position_ratio": ratio / n,
+                "kv_grad_on_own_keys": on_own / n, "grad_position_rows": int(round(n))}
+
     def summary(self) -> dict:
         """Means over the scored sampled rows of every KV-path call (layers, steps); empty if none."""
-        if not self.rows:
-            return {}
-        n = self.rows
-        return {"kv_grad_positions": self.sums["kv"] / n, "query_grad_positions": self.sums["query"] / n,
-                "kv_grad_position_ratio": self.sums["ratio"] / n, "kv_grad_on_own_keys": self.sums["on_own"] / n,
-                "grad_position_rows": n}
+        return self.summarize(self.totals())
 
 
 DIAGNOSTIC_BATCH = 2   # sequences per diagnostic unroll: its reference attention holds [H, rows, keys] per layer

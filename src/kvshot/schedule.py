@@ -1,5 +1,6 @@
 """What the trainers do when: the learning rate per step (the target's pretraining and the
-drafters' TTT training) and a drafter epoch's sample order, optionally grouped by length."""
+drafters' TTT training), a drafter epoch's sample order, optionally grouped by length, and
+the per-step token budget that normalises the drafter's loss whatever the grouping."""
 from __future__ import annotations
 
 import math
@@ -19,6 +20,22 @@ def sample_lengths(source, n: int, max_len: int) -> list[int]:
     """The first n samples' token counts as trained (truncated to max_len), from the feature
     index: no shard is read."""
     return [min(int(loc[2]), max_len) for loc in source.index["samples"][:n]]
+
+
+def token_budget(lengths: list[int], batch_size: int, steps: int, assistant_share: float = 1.0) -> list[float]:
+    """The TTT loss's normaliser per step k, one constant for the whole run (docs/training.md):
+    the expected number of step-k labels in a global batch,
+        B_k = batch_size * assistant_share * mean_i max(0, L_i - k - 2),
+    L_i the train samples' lengths as trained (`sample_lengths`): step k at anchor t is scored
+    against x_{t+k+2}, so a sequence of L tokens has L - k - 2 anchors with a label when every
+    token is an assistant token; assistant_share (the split's assistant tokens over its tokens,
+    from the feature index) scales that to the assistant tokens. Dividing each step's summed
+    per-token loss by B_k (not by that step's own count) gives every token the same weight
+    whichever step, length group or process it lands in. A function of the index and the
+    config alone: the same on every process, for every world size, seed and resume."""
+    n = max(len(lengths), 1)
+    return [max(batch_size * assistant_share * sum(max(0, L - k - 2) for L in lengths) / n, 1.0)
+            for k in range(steps)]
 
 
 def epoch_order(n: int, seed: int, epoch: int, batch_size: int = 1, group: int = 0,

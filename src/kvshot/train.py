@@ -17,16 +17,16 @@ import torch
 from .blockwise import block_attention_diagnostics, block_key_share, is_block, objective, training_forward
 from .checkpoint import fingerprint, load_checkpoint, restore_checkpoint, save_checkpoint
 from .config import ConfigError, Runtime
-from .diagnostics import GradientPositions, attention_diagnostics, diagnostic_batches
+from .diagnostics import GradientPositions, attention_summary, attention_totals, diagnostic_batches
 from .drafters import Drafter
 from .drafters.attention import use_attention
 from .features import FeatureSource, open_features
 from .heldout import all_sum, evaluate, heldout_point, plateaued
 from .io import JsonLines
 from .progress import Progress
-from .schedule import epoch_order, lr_at, sample_lengths
+from .schedule import epoch_order, lr_at, sample_lengths, token_budget
 from .target import load_target
-from .ttt import Unrolled, label_positions, scored_tokens, step_losses, target_labels, weighted_loss
+from .ttt import Unrolled, label_positions, step_losses, target_labels, weighted_loss
 from .variants import build_variant, draft_vocab, held_back, param_groups, variant_config
 
 
@@ -40,12 +40,22 @@ def launcher_args(num_processes: int) -> list[str]:
 # ---------------------------------------------------------------- diagnostics
 
 def grad_norms(groups: dict[str, list]) -> dict[str, float]:
-    """Each group's gradient norm (one host sync for all of them)."""
-    sq = {g: [p.grad.double().pow(2).sum() for p in params if p.grad is not None] for g, params in groups.items()}
-    device = next((x[0].device for x in sq.values() if x), "cpu")
-    values = torch.stack([torch.stack(x).sum() if x else torch.zeros((), dtype=torch.float64, device=device)
-                          for x in sq.values()]).tolist()
-    return {g: math.sqrt(x) for g, x in zip(sq, values)}
+    """Each group's gradient norm (one host sync for all of them): each gradient's own norm in
+    its dtype (a reduction: no copy of the gradient), the squares of those scalars summed in
+    float64."""
+    norms = {g: [torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None]
+             for g, params in groups.items()}
+    device = next((x[0].device for x in norms.values() if x), "cpu")
+    values = torch.stack([torch.stack(x).double().square().sum() if x
+                          else torch.zeros((), dtype=torch.float64, device=device) for x in norms.values()]).tolist()
+    return {g: math.sqrt(x) for g, x in zip(norms, values)}
+
+
+def loss_denominators(budget: list[float], world: int, device=None) -> torch.Tensor:
+    """What each process divides step k's summed per-token loss by: B_k / world (`token_budget`).
+    DDP averages the processes' gradients (divides by world again), so every token's weight in
+    the objective is decay^k / B_k: the same in every step, length group and world size."""
+    return torch.tensor(budget, dtype=torch.float32, device=device) / world
 
 
 def kv_key_share(valid: list[torch.Tensor], anchors: list[torch.Tensor | None] | None = None) -> float:
@@ -134,6 +144,8 @@ class Run:
     deadline: float | None
     runtime_minutes: float | None
     lengths: list[int] | None   # per train sample, for length-grouped batches
+    budget: list[float]         # B_k: step k's loss normaliser for the whole run (`token_budget`)
+    denominators: torch.Tensor  # B_k / world, on the device (`loss_denominators`)
     order: tuple[int, list[int]] | None = None   # (epoch, its sample order): built once per epoch
     start: float = field(default_factory=time.time)
     tokens: torch.Tensor | int = 0   # tokens this process trained on since it started (a device tensor)
@@ -159,13 +171,14 @@ class Run:
 
 @dataclass
 class Step:
-    """What one optimization step leaves for its log record."""
+    """What one optimization step leaves for its log record: no logits (freed before the
+    optimizer step), and the batch only on a logging step that has no probe batches."""
     step: int
-    batch: dict
-    un: Unrolled
+    batch: dict | None
+    key_share: tuple[float, int] | None   # this process's (kv_key_share, its scored pairs); None: no KV path
     positions: GradientPositions
     norms: dict | None
-    totals: list[float]   # summed over processes: the loss, loss_k, correct_k, acc_n_k
+    totals: list[float]   # summed over processes: the objective, ce_sum_k, correct_k, acc_n_k, scored_k
 
 
 def setup(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, target_dir: str, out_dir: str,
@@ -225,10 +238,16 @@ def setup(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, targ
         progress.pop("stopped_by", None)
         print(f"resuming {name} from step {progress['step']} ({ckpt})", flush=True)
     progress.setdefault("heldout", [])
-    ddp = training_forward(model) if world == 1 else torch.nn.parallel.DistributedDataParallel(training_forward(model))
+    # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second fp32 copy
+    ddp = training_forward(model) if world == 1 else \
+        torch.nn.parallel.DistributedDataParallel(training_forward(model), gradient_as_bucket_view=True)
     live = JsonLines(ckpt.parent / "train_log.jsonl",
                      sorted(progress["log"] + progress["heldout"], key=lambda r: r["step"]), enabled=rank == 0)
     group = int(tc.get("length_grouping") or 0)
+    lengths = sample_lengths(train_src, n, tc["max_len"])
+    index = train_src.index
+    share = index["assistant_tokens"] / index["tokens"] if index.get("assistant_tokens") and index.get("tokens") else 1.0
+    budget = token_budget(lengths, tc["batch_size"], steps_k, share)
     return Run(
         name=name, v=v, rt=rt, accel=accel, target=target, train_src=train_src, eval_src=eval_src, val_src=val_src,
         heldout_split=heldout_split, n=n, model=model, head_w=target.lm_head.weight.detach(),
@@ -237,7 +256,8 @@ def setup(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, targ
         # the validation split: held out like eval, and what training-time measurements read (not the eval anchors)
         probe_batches=diagnostic_batches(val_src, tc.get("diagnostic_sequences", 4), tc["max_len"], rt.device),
         deadline=deadline, runtime_minutes=runtime_minutes,
-        lengths=sample_lengths(train_src, n, tc["max_len"]) if group > 1 else None)
+        lengths=lengths if group > 1 else None, budget=budget,
+        denominators=loss_denominators(budget, world, rt.device))
 
 
 def step_ids(run: Run) -> list[int]:
@@ -253,32 +273,47 @@ def step_ids(run: Run) -> list[int]:
 
 def train_step(run: Run, logging: bool) -> Step:
     """One optimization step. The host waits on the device once (the NaN guards, with what
-    the log reads), and the processes exchange two small tensors."""
+    the log reads), and the processes exchange one small tensor (and DDP its gradients).
+    Step k's summed per-token loss is divided by the run's fixed B_k / world (`loss_denominators`),
+    not by the step's own token count: every token weighs the same (docs/training.md).
+    Memory: the logits, the soft labels and the autograd graph are dropped right after the
+    backward, the batch too unless the log reads it, so the optimizer step holds none of them;
+    the returned Step holds no logits, and the caller drops it before the next step."""
     tc, model, world, step, k_steps = run.tc, run.model, run.world, run.progress["step"], run.steps_k
     batch = {k: t.to(run.rt.device) for k, t in _truncate(run.train_src.batch(step_ids(run)), tc["max_len"]).items()}
     labels = target_labels(batch["last_hidden"], run.head_w, model.d2t, positions=label_positions(batch))
-    scored = torch.stack([scored_tokens(batch, labels, model.t2d, k)[1].sum() for k in range(k_steps)]).float()
-    # DDP averages the processes' gradients: each divides by the global count over world
-    denominators = all_sum(scored, world).clamp(min=1) / world
-    # on a logging step: which positions the real backward sends gradient from (`diagnostics`)
-    with GradientPositions(model, enabled=logging) as positions:
+    # on a logging step: which positions the real backward sends gradient from (`diagnostics`), each
+    # process sampling its share of the rows one process would
+    with GradientPositions(model, enabled=logging, max_rows=-(-GradientPositions.MAX_ROWS // world)) as positions:
         with run.rt.autocast():   # bf16 runtime: bf16 compute over the fp32 parameters; losses in fp32
             un: Unrolled = run.ddp(batch, k_steps)
-            losses, _, correct, acc_n = step_losses(model, un, batch, labels, denominators)
+            losses, counts, correct, acc_n = step_losses(model, un, batch, labels, run.denominators)
             loss = weighted_loss(losses, run.decay)
         loss.backward()   # a non-finite loss stops below, before the update
+    key_share = None
+    if logging and model.kv_attentions():   # this process's pairs; the log sums them over processes
+        key_share = ((block_key_share(un.valid, un.anchors, model.cfg.block_size) if is_block(model)
+                      else kv_key_share(un.valid, un.anchors)), sum(int(v.sum()) for v in un.valid))
+    # nothing of the forward outlives the backward: not the logits, the soft labels nor the graph
+    loss, losses = loss.detach(), [x.detach() for x in losses]
+    del un, labels
+    tokens = batch["attention_mask"].sum()
+    if not (logging and not run.probe_batches):   # the log measures on this batch only without probe batches
+        batch = None
     if step < int(run.v.get("kv_warmup_steps") or 0):   # hybrid-warm: no update outside the KV branch yet
         for p in run.waiting:                              # (AdamW skips grad None)
             p.grad = None
     norms = grad_norms(run.groups) if logging else None
     total_norm = torch.nn.utils.clip_grad_norm_(run.params, tc["grad_clip"])
-    loss = loss.detach()
-    local = torch.cat([(~torch.isfinite(loss)).float().view(1), loss.float().view(1),
-                       torch.stack(losses).detach().float(), torch.stack(correct).float(), torch.stack(acc_n).float()])
+    # per step: the summed per-token loss (the log's per-token mean divides it by the summed count)
+    ce_sums = torch.stack(losses).float() * run.denominators
+    local = torch.cat([(~torch.isfinite(loss)).float().view(1), loss.float().view(1), ce_sums,
+                       torch.stack(correct).float(), torch.stack(acc_n).float(), torch.stack(counts).float()])
     # gradients are all-reduced: every process has the same norm
     totals = torch.cat([all_sum(local, world), total_norm.detach().float().view(1).to(local.device)]).tolist()
     if totals[0] > 0:
-        raise FloatingPointError(f"train {run.name}: loss is {loss.item()} at step {step}; {run.no_good_state()}")
+        raise FloatingPointError(f"train {run.name}: loss is {totals[1] / world} at step {step}; "
+                                 f"{run.no_good_state()}")
     if not math.isfinite(totals[-1]):
         raise FloatingPointError(f"train {run.name}: gradient norm is {totals[-1]} at step {step}; "
                                  f"{run.no_good_state()}")
@@ -287,26 +322,58 @@ def train_step(run: Run, logging: bool) -> Step:
     run.opt.zero_grad(set_to_none=True)
     run.progress["cursor"] += tc["batch_size"]
     run.progress["step"] = step + 1
-    run.tokens = run.tokens + batch["attention_mask"].sum()
+    run.tokens = run.tokens + tokens
     run.steps_here += 1
-    return Step(step, batch, un, positions, norms, totals[1:-1])
+    return Step(step, batch, key_share, positions, norms, totals[1:-1])
+
+
+def shared_diagnostics(run: Run, s: Step) -> dict:
+    """The bottleneck diagnostics of a logging step over the whole global batch, every process
+    doing its share once: the key share and the gradient positions from each process's own
+    sequences, the attention diagnostics on the fixed probe batches, batch i on process
+    i % world (a block's: the first probe batch, on process 0); their sums and counts are
+    all-reduced in one tensor (every process calls this). Without probe batches the attention
+    diagnostics read process 0's training sequences."""
+    model, k, world = run.model, run.steps_k, run.world
+    key = [s.key_share[0] * s.key_share[1], s.key_share[1]] if s.key_share else [0.0, 0]
+    grads = s.positions.totals()
+    batches = run.probe_batches or ([s.batch] if s.batch is not None else [])
+    with run.rt.autocast():   # own-key attention mass and hybrid gate share on the fixed held-out batches
+        if is_block(model):
+            got = block_attention_diagnostics(model, batches[0], k) if run.rank == 0 and batches else {}
+            per_k = got.get("kv_own_key_mass_k") or [None] * k
+            attention = [float(bool(got)), *[x or 0.0 for x in per_k], *[float(x is not None) for x in per_k]]
+        else:
+            attention = attention_totals(model, batches, k, rank=run.rank, world=world)
+    local = torch.tensor([*key, *grads, *attention], dtype=torch.float64, device=run.accel.device)
+    flat = all_sum(local, world).tolist()
+    key, grads, attention = flat[:2], flat[2: 2 + len(grads)], flat[2 + len(grads):]
+    rec = {"kv_key_share": key[0] / max(key[1], 1) if model.kv_attentions() else None}
+    rec.update(GradientPositions.summarize(grads))
+    if is_block(model):
+        if attention[0] > 0:
+            per_k = [v / d if d else None for v, d in zip(attention[1: 1 + k], attention[1 + k:])]
+            defined = [x for x in per_k if x is not None]
+            rec.update({"kv_own_key_mass_k": per_k,
+                        "kv_own_key_mass": sum(defined) / len(defined) if defined else None})
+    else:
+        rec.update(attention_summary(model, attention, k))
+    return rec
 
 
 def log(run: Run, s: Step) -> None:
-    """A logging step's record (train_log, the live log, the log line): the loss and acc_k
-    over every process's sequences, and the bottleneck diagnostics."""
+    """A logging step's record (train_log, the live log, the log line), over every process's
+    sequences: `loss` and `loss_k` the per-token means of the soft cross-entropy (as the held-out
+    curve's), `objective` what the step minimized (sum_k decay^k ce_sum_k / B_k, docs/training.md),
+    acc_k, and the bottleneck diagnostics. Every process calls it (the diagnostics all-reduce)."""
     k, world, model = run.steps_k, run.world, run.model
-    loss, loss_k = s.totals[0] / world, [x / world for x in s.totals[1: 1 + k]]   # each process: its share
-    correct, acc_n = s.totals[1 + k: 1 + 2 * k], s.totals[1 + 2 * k:]
-    rec = {"step": s.step, "lr": run.sched.get_last_lr()[0], "loss": loss, "loss_k": loss_k,
-           "acc_k": [c / max(a, 1) for c, a in zip(correct, acc_n)],
-           "grad_norm": s.norms, "kv_key_share": ((block_key_share(s.un.valid, s.un.anchors, model.cfg.block_size)
-                                                   if is_block(model) else kv_key_share(s.un.valid, s.un.anchors))
-                                                  if model.kv_attentions() else None)}
-    rec.update(s.positions.summary())
-    with run.rt.autocast():   # own-key attention mass and hybrid gate share on the fixed held-out batches
-        rec.update(block_attention_diagnostics(model, s.batch, k) if is_block(model)
-                   else attention_diagnostics(model, run.probe_batches or s.batch, k))
+    objective, ce_k = s.totals[0] / world, s.totals[1: 1 + k]
+    correct, acc_n, scored = s.totals[1 + k: 1 + 2 * k], s.totals[1 + 2 * k: 1 + 3 * k], s.totals[1 + 3 * k:]
+    loss_k = [c / max(n, 1) for c, n in zip(ce_k, scored)]
+    loss = sum(run.decay ** i * x for i, x in enumerate(loss_k))
+    rec = {"step": s.step, "lr": run.sched.get_last_lr()[0], "loss": loss, "loss_k": loss_k, "objective": objective,
+           "acc_k": [c / max(a, 1) for c, a in zip(correct, acc_n)], "grad_norm": s.norms}
+    rec.update(shared_diagnostics(run, s))
     if hasattr(model, "gate"):
         g = model.gate().detach()
         rec["gate"] = {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max())}
@@ -380,6 +447,7 @@ def finish(run: Run, out_dir: str) -> dict:
                "heldout_curve": p["heldout"], "heldout_split": run.heldout_split, "plateau_rule": plateau or None,
                "resumed_from": p["resumed_from"], "world_size": run.world, "train_seconds": seconds,
                "train_tokens_per_s": int(run.tokens) * run.world / max(seconds, 1e-9),
+               "loss_budget": run.budget,   # B_k: each step's loss normaliser (docs/training.md)
                "parameters": sum(x.numel() for x in run.params), "draft_vocab_size": len(model.d2t),
                "dtype": run.rt.dtype, "device": run.rt.device}
     metrics["eval"] = evaluate(model, run.eval_src, run.head_w, run.steps_k, tc["batch_size"], tc["eval_batches"],
@@ -423,6 +491,7 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
         s = train_step(run, logging)
         if logging:
             log(run, s)
+        del s   # nothing of this step is alive while the next one runs
         run.bar.update(1)
         if p["step"] % tc["ckpt_every"] == 0 and p["step"] < tc["max_steps"]:
             checkpoint(run)
