@@ -14,28 +14,45 @@ import torch
 from .config import Runtime
 from .integrity import content_digest, folder_digest
 
-# settings that do not change what is trained: a checkpoint made under other values resumes
-NOT_FINGERPRINTED = ("stop_margin_minutes",)
+# settings that do not change what is trained: a checkpoint made under other values resumes.
+# The process count: each step's samples are the global batch's, split by rank, and DDP averages
+# the gradients over a global token count, so 8 GPUs or 4 train the same model (a job resubmitted
+# on fewer GPUs resumes); the logging, checkpoint and diagnostic cadence; the wall-clock limits.
+NOT_FINGERPRINTED = ("stop_margin_minutes", "num_processes", "log_every", "ckpt_every", "max_minutes",
+                     "diagnostic_sequences")
+# what checkpoints written before the list above grew were fingerprinted without (they resume too)
+_LEGACY_NOT_FINGERPRINTED = ("stop_margin_minutes",)
+# fingerprint -> the fingerprints runs that train alike had under the legacy rule
+_legacy: dict[str, set[str]] = {}
 
 
-def _trains_alike(key: str, value) -> bool:
-    """A setting that does not change what is trained: the margin, or length grouping off (0 or
-    1; added after checkpoints existed, so off it leaves their fingerprint as it was)."""
-    return key in NOT_FINGERPRINTED or (key == "length_grouping" and int(value or 0) <= 1)
+def _trains_alike(key: str, value, ignored: tuple[str, ...] = NOT_FINGERPRINTED) -> bool:
+    """A setting that does not change what is trained: one of `ignored`, or length grouping off
+    (0 or 1; added after checkpoints existed, so off it leaves their fingerprint as it was)."""
+    return key in ignored or (key == "length_grouping" and int(value or 0) <= 1)
+
+
+def _digest(v: dict, cfg: dict, rt: Runtime, inputs: dict, ignored: tuple[str, ...]) -> str:
+    v = {**v, "train": {k: x for k, x in v["train"].items() if not _trains_alike(k, x, ignored)}}
+    key = {"variant": v, "seed": cfg["seed"], "dtype": rt.dtype,
+           "drafters": {k: cfg["drafters"][k] for k in ("ttt_steps", "step_decay", "draft_vocab_size")}, **inputs}
+    if v["paradigm"] == "block":   # the block objective's position weights
+        key["block_position_decay"] = cfg["drafters"].get("block_position_decay")
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def fingerprint(v: dict, cfg: dict, rt: Runtime, train_dir: str, eval_dir: str, target_dir: str,
                 val_dir: str) -> str:
-    """What a checkpoint must match to be resumed: the config this stage reads and the content
-    of its inputs (a retrained target or recaptured features start afresh, at the same paths)."""
-    v = {**v, "train": {k: x for k, x in v["train"].items() if not _trains_alike(k, x)}}
-    key = {"variant": v, "seed": cfg["seed"], "dtype": rt.dtype,
-           "drafters": {k: cfg["drafters"][k] for k in ("ttt_steps", "step_decay", "draft_vocab_size")},
-           "train": content_digest(Path(train_dir) / "index.json"), "eval": content_digest(Path(eval_dir) / "index.json"),
-           "target": folder_digest(target_dir), "val": content_digest(Path(val_dir) / "index.json")}
-    if v["paradigm"] == "block":   # the block objective's position weights
-        key["block_position_decay"] = cfg["drafters"].get("block_position_decay")
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    """What a checkpoint must match to be resumed: what changes the trained model, i.e. the
+    variant (model and its training settings: global batch, lr, schedule, steps, lengths,
+    grouping, ...), the seed, dtype and TTT objective, and the content of its inputs (a retrained
+    target or recaptured features start afresh, at the same paths); not NOT_FINGERPRINTED."""
+    inputs = {"train": content_digest(Path(train_dir) / "index.json"),
+              "eval": content_digest(Path(eval_dir) / "index.json"),
+              "target": folder_digest(target_dir), "val": content_digest(Path(val_dir) / "index.json")}
+    fp = _digest(v, cfg, rt, inputs, NOT_FINGERPRINTED)
+    _legacy.setdefault(fp, set()).add(_digest(v, cfg, rt, inputs, _LEGACY_NOT_FINGERPRINTED))
+    return fp
 
 
 def set_aside(ckpt: Path, why: str) -> None:
@@ -56,10 +73,16 @@ def load_checkpoint(ckpt: Path, fp: str) -> dict | None:
         print(f"{ckpt}: unreadable ({type(exc).__name__})", flush=True)
         set_aside(ckpt, "corrupt")
         return None
-    if written_for != fp:
+    if written_for != fp and written_for not in _legacy.get(fp, ()):
         print(f"{ckpt}: written for other inputs or config", flush=True)
         set_aside(ckpt, "stale")
         return None
+    world = int(os.environ.get("WORLD_SIZE", "1"))   # set by accelerate launch / torchrun
+    if saved["progress"].get("world_size", world) != world:
+        print(f"{ckpt}: written by {saved['progress']['world_size']} processes, resumed by {world} "
+              f"(the same global batch)", flush=True)
+    # what this run's next checkpoint records (a legacy checkpoint's saves carry today's fingerprint)
+    saved["progress"].update(fingerprint=fp, world_size=world)
     return saved
 
 

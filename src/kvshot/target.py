@@ -2,8 +2,10 @@
 (paper), and one forward that returns what every drafter paradigm reads."""
 from __future__ import annotations
 
-import importlib.util
+import functools
+import importlib
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +25,44 @@ from .tokenizer import load_tokenizer
 META_FILE = "kvshot_target.json"
 
 
+@functools.cache
+def flash_attn_problem() -> str | None:
+    """Why flash-attn cannot be used in this process, or None when it imports. The import is
+    tried, not only found: a half-installed build (a missing CUDA symbol, a wheel for another
+    torch) raises here, once per process, instead of in every stage that loads the target."""
+    try:
+        importlib.import_module("flash_attn")
+    except ModuleNotFoundError as exc:
+        if exc.name == "flash_attn":
+            return "flash-attn is not installed"
+        return f"flash-attn fails to import ({type(exc).__name__}: {_first_line(exc)})"
+    except Exception as exc:   # ImportError from a missing CUDA symbol, OSError, RuntimeError...
+        return f"flash-attn fails to import ({type(exc).__name__}: {_first_line(exc)})"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else "no message"
+
+
+_warned: set[str] = set()
+
+
 def attn_implementation(requested: str, device: str) -> str:
+    """The target's attention: `requested` as given unless it is "auto"; "auto" is
+    flash_attention_2 on CUDA when flash-attn imports, else SDPA. A CUDA run that falls back
+    says why in one warning line (once per process)."""
     if requested != "auto":
         return requested
-    if device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    if device != "cuda":
+        return "sdpa"
+    problem = flash_attn_problem()
+    if problem is None:
         return "flash_attention_2"
+    if problem not in _warned:
+        _warned.add(problem)
+        print(f"warning: {problem}; the target uses SDPA attention", file=sys.stderr, flush=True)
     return "sdpa"
 
 
