@@ -21,9 +21,14 @@ is tested against it (tests/test_attention_backends.py). Backends, by name:
              compiled on CUDA; on CPU PyTorch runs it eagerly and forward only
 `auto` (the config's default, `drafters.attention`): flash_cpu for fp32 on CPU, block for other
 CPU dtypes, flex for training on CUDA and sdpa for decoding there (few rows, no backward).
+
+`cuda_branches()` makes CPU tensors take every branch CUDA's take (the backend `auto` picks,
+compiled block masks, compiled flex, SDPA's CUDA layout), so CI runs the GPU path on CPU; what
+CPU cannot run (inductor's flex backward, SDPA's memory-efficient kernel) is listed in docs/gpu.md.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -35,6 +40,32 @@ from .block_attention import block_attention, flash_attention
 BACKENDS = ("reference", "flash_cpu", "block", "sdpa", "flex")
 CHOICES = ("auto",) + BACKENDS
 _chosen = "auto"
+_as_cuda = False   # set by cuda_branches()
+
+
+@contextlib.contextmanager
+def cuda_branches():
+    """Within: CPU tensors take the branches CUDA tensors take, in everything this module
+    decides by device. Two differ because CPU has no kernel for them: flex compiles through
+    dynamo and AOTAutograd without inductor's code generation (`aot_eager`, PyTorch's CPU
+    device check lifted: its eager backward is the dense reference of the compiled one), and SDPA allows CPU's
+    kernels in CUDA's layout (keys repeated per head). Block masks compile with inductor, as on
+    CUDA. For tests and `benchmarks/gpu.py --dry`."""
+    global _as_cuda
+    from torch.nn.attention import flex_attention as flex_module
+
+    saved, check = _as_cuda, flex_module._validate_device
+    _as_cuda = True
+    flex_module._validate_device = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        _as_cuda, flex_module._validate_device = saved, check
+
+
+def branch_device(device_type: str) -> str:
+    """The device whose branches a tensor on `device_type` takes ("cuda" under cuda_branches)."""
+    return "cuda" if _as_cuda and device_type == "cpu" else device_type
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, dk: Tensor | None = None,
@@ -81,13 +112,17 @@ def ttt_mask_mod(visible: Tensor, steps: int):
     def mask_mod(b, h, q_idx, kv_idx):
         tq, tp = visible.shape[1], visible.shape[2]
         in_prefix = kv_idx < tp
-        prefix = in_prefix & visible[b, q_idx, kv_idx.clamp(max=tp - 1)]
-        j = (kv_idx - tp).clamp(min=0)
+        seen = visible[b, q_idx, kv_idx.clamp(max=tp - 1)]
+        # Written for the compiler (create_block_mask compiles on CUDA): `(kv_idx - tp).clamp(min=0)`
+        # before // or % fails inductor's range analysis ("vr must not be None"), and
+        # `(in_prefix & seen) | (~in_prefix & own)` hits a CPU codegen bug (mixed mask types in
+        # the padded tail); a where() for each compiles and means the same.
+        j = torch.where(in_prefix, 0, kv_idx - tp)
         if steps:
             own = (j // steps == q_idx // steps) & (j % steps <= q_idx % steps)
         else:
             own = j % tq == q_idx
-        return prefix | (~in_prefix & own)
+        return torch.where(in_prefix, seen, own)
 
     return mask_mod
 
@@ -149,10 +184,10 @@ def _sdpa(q, k, v, mask, dk, dv, steps, scale):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     b, h, tq, d = q.shape
-    cuda = q.device.type == "cuda"
+    cuda = branch_device(q.device.type) == "cuda"
     # CUDA: only the memory-efficient kernel (the flash one takes no mask; the math one would
     # keep [heads, rows, keys] probabilities), with keys repeated per head (GQA, its layout)
-    allowed = [SDPBackend.EFFICIENT_ATTENTION] if cuda else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    allowed = [SDPBackend.EFFICIENT_ATTENTION] if q.is_cuda else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
     outs = []
     with sdpa_kernel(allowed):
         for r0, r1, k0, k1, allow in _sdpa_blocks(mask, q, dk, steps):
@@ -167,34 +202,50 @@ def _sdpa(q, k, v, mask, dk, dv, steps, scale):
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
-_compiled_flex = None
+_compiled_flex: dict = {}
+_compiled_block_mask = None
+
+
+def _block_mask(mask_mod, batch: int, rows: int, keys: int, device: torch.device):
+    """The BlockMask of `mask_mod`; on CUDA compiled once with dynamic shapes (one graph per
+    layout: packed row and key counts change every batch, and `create_block_mask(_compile=True)`
+    recompiled for each new shape until the recompile limit, then ran eagerly, which at paper
+    shapes materializes [rows, keys] int64 index grids of ~17 GB)."""
+    global _compiled_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if branch_device(device.type) != "cuda":
+        return create_block_mask(mask_mod, batch, None, rows, keys, device=device)
+    if _compiled_block_mask is None:
+        _compiled_block_mask = torch.compile(create_block_mask, dynamic=True)
+    return _compiled_block_mask(mask_mod, batch, None, rows, keys, device=device)
 
 
 def _flex_function(device_type: str):
-    """flex_attention, compiled on CUDA (dynamic shapes: packed row counts change every batch)."""
-    global _compiled_flex
+    """flex_attention, compiled on CUDA (dynamic shapes: packed row counts change every batch).
+    CPU: eager, forward only; under cuda_branches compiled as on CUDA up to code generation
+    (dynamo and AOTAutograd, `aot_eager`): inductor's CPU flex kernel has no backward, and its
+    forward template fails to build the steps-in-rows mask; CUDA generates Triton instead."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device_type != "cuda":
+    if branch_device(device_type) != "cuda":
         return flex_attention   # eager: materializes the scores, forward only on CPU (tests)
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=True)
-    return _compiled_flex
+    backend = "inductor" if device_type == "cuda" else "aot_eager"
+    if backend not in _compiled_flex:
+        _compiled_flex[backend] = torch.compile(flex_attention, dynamic=True, backend=backend)
+    return _compiled_flex[backend]
 
 
 def _flex(q, k, v, mask, dk, dv, steps, scale):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    tq = q.shape[2]
+    tq, device = q.shape[2], branch_device(q.device.type)
     if dk is not None:
         k = torch.cat([k, dk if steps else dk.flatten(2, 3)], dim=2)
         v = torch.cat([v, dv if steps else dv.flatten(2, 3)], dim=2)
     key = ("flex", k.shape[2], steps)
     if key not in mask.cache:
         visible = mask.visible()
-        mask.cache[key] = create_block_mask(ttt_mask_mod(visible, steps), visible.shape[0], None, tq, k.shape[2],
-                                            device=q.device, _compile=q.device.type == "cuda")
-    if q.device.type != "cuda":   # PyTorch's flex_attention has no backward on CPU
+        mask.cache[key] = _block_mask(ttt_mask_mod(visible, steps), visible.shape[0], tq, k.shape[2], q.device)
+    if device != "cuda":   # PyTorch's flex_attention has no backward on CPU
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
             raise RuntimeError("drafters.attention=flex: flex_attention has no backward on CPU; "
                                "use flash_cpu, block or sdpa there")
@@ -234,7 +285,7 @@ def pick_backend(device_type: str, dtype: torch.dtype, training: bool | None = N
 def attention(q: Tensor, k: Tensor, v: Tensor, mask, dk: Tensor | None, dv: Tensor | None, steps: int,
               scale: float, backend: str | None = None) -> Tensor:
     """The drafter attention through `backend` (default: `pick_backend` for q's device/dtype)."""
-    name = backend or pick_backend(q.device.type, q.dtype)
+    name = backend or pick_backend(branch_device(q.device.type), q.dtype)
     if name == "flash_cpu" and (q.device.type != "cpu" or q.dtype != torch.float32):
         raise ValueError(f"drafters.attention=flash_cpu runs fp32 on CPU only, not {q.dtype} on {q.device.type}")
     return _BACKEND_FUNCTIONS[name](q, k, v, mask, dk, dv, steps, scale)
