@@ -125,3 +125,30 @@ def test_a_training_step_through_the_cuda_branches_equals_the_reference(tiny, ti
     for n in ref_grads:
         assert rel_err(grads[n], ref_grads[n]) < 3e-2, n
     assert all(torch.isfinite(p).all() for p in params.values())
+
+
+@pytest.mark.parametrize("paradigm", ["hidden", "kv", "block"])
+def test_decoding_through_the_cuda_branches_is_lossless(tiny, drafter_world, paradigm):
+    """Speculative decoding as CUDA runs it (`auto` picks sdpa for the drafter's rows, in
+    CUDA's layout; bf16 autocast): the output is the target's greedy text."""
+    from kvshot.decode import DraftSpec, plain_generate, speculative_generate
+    from kvshot.target import load_target
+
+    from .conftest import build_test_drafter
+
+    variant = {"name": "v", "paradigm": paradigm, "layers": 1, "block_size": 4,
+               **({"context": "kv"} if paradigm == "block" else {})}
+    target = load_target(tiny["model"], tiny["rt"])
+    model = build_test_drafter(drafter_world, variant)
+    src = drafter_world[0]
+    ids = src.tokens(0)["input_ids"][:12].long()[None]
+    aux = src.spec.aux_layers if model.reads_aux_hidden else None
+    ran = []
+    real = attn._BACKEND_FUNCTIONS["sdpa"]
+    attn._BACKEND_FUNCTIONS["sdpa"] = lambda *a: ran.append("sdpa") or real(*a)
+    try:
+        with attn.cuda_branches():
+            out = speculative_generate(target, model, ids, 10, None, aux, DraftSpec(depth=3), precision="bfloat16")
+    finally:
+        attn._BACKEND_FUNCTIONS["sdpa"] = real
+    assert ran and out.tokens == plain_generate(target, ids, 10, None).tokens
