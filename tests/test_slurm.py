@@ -155,17 +155,34 @@ def launched_processes(shell: str) -> int:
     return int(re.search(r" --num_processes (\d+) ", shell).group(1))
 
 
+def online_capture(job: dict) -> bool:
+    """A capture_features job of features.mode online (its --config): it tokenizes and indexes
+    only (the trainer runs the target), so it books no GPU, though it runs in the device env."""
+    if job["rule"] != "capture_features":
+        return False
+    cfg = next(json.loads(w) for w in shlex.split(job["shell"].split(" > ")[0]) if w.startswith("{"))
+    return cfg["features"]["mode"] == "online"
+
+
 def assert_booked(job: dict, envs: dict[str, str | None]) -> None:
     """A job books what its command uses: a device job (it loads the target or a drafter: on
     CUDA in the paper config) one GPU per process it launches, on one node, in the GPU
-    partition and the GPU env; a CPU job no GPU, the CPU partition and the CPU env."""
+    partition and the GPU env; a CPU job no GPU, the CPU partition and the CPU env; online
+    capture_features no GPU and the CPU partition, in the GPU env (offline it is a device job)."""
     rule, res = job["rule"], job["resources"]
     assert rule in DEVICE_RULES | CPU_RULES, f"rule {rule}: add it to DEVICE_RULES or CPU_RULES (tests/test_envs.py)"
     assert "cpus_per_task" not in res, f"{rule}: cpus_per_task would override cpus_per_gpu"
     assert int(res["runtime"]) > 0 and int(res["mem_mb"]) > 0, job
     flags = sbatch_flags(sbatch_options(job))
     assert "--cpus-per-task" not in flags or "--cpus-per-gpu" not in flags, flags
-    if rule in DEVICE_RULES:
+    if online_capture(job):
+        assert envs[rule].endswith("/envs/gpu.yaml"), (rule, envs[rule])
+        assert res.get("slurm_partition") == CPU_PARTITION and res.get("gpu") == "0" and \
+            not {"gres", "cpus_per_gpu"} & set(res), f"online {rule} tokenizes only: {res}"
+        assert flags["-p"] == CPU_PARTITION and not {"--gpus", "--gres", "--cpus-per-gpu"} & set(flags), \
+            (rule, flags)
+        assert flags.get("--cpus-per-task") == "1" and flags.get("--ntasks") == "1", (rule, flags)
+    elif rule in DEVICE_RULES:
         gpus = launched_processes(job["shell"])
         assert envs[rule].endswith("/envs/gpu.yaml"), (rule, envs[rule])
         assert (res.get("slurm_partition"), res.get("gpu"), res.get("nodes")) == (GPU_PARTITION, str(gpus), "1"), \
@@ -196,6 +213,8 @@ def test_every_job_of_every_target_books_its_device(paper_dry_run, regenerate_dr
     assert "regenerate_data" in booked["regenerate"]
     ddp = {j["rule"] for j in paper_dry_run[1] if launched_processes(j["shell"]) > 1}
     assert ddp == TRAIN_RULES, ddp
+    capture = [j for j in paper_dry_run[1] if j["rule"] == "capture_features"]
+    assert len(capture) == 3 and all(map(online_capture, capture))   # config/paper.yaml: online, no GPU booked
 
 
 def test_paper_dry_run_job_counts(paper_dry_run):
@@ -285,7 +304,7 @@ def test_one_gpu_config_on_a_workstation_serializes_the_gpu_jobs(tmp_path):
     rules = {j["rule"] for j in jobs}
     assert {"train_drafter", "eval_stepwise", "eval_e2e", "target", "capture_features"} <= rules
     for job in jobs:
-        want = "1" if job["rule"] in DEVICE_RULES else None
+        want = "0" if online_capture(job) else "1" if job["rule"] in DEVICE_RULES else None
         assert job["resources"].get("gpu") == want, (job["rule"], job["resources"])
         if job["rule"] in TRAIN_RULES:
             assert launched_processes(job["shell"]) == 1, job["shell"][:120]

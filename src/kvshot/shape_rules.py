@@ -4,14 +4,24 @@ kvshot functions and a Qwen3-8B-shaped target (bf16, no weights).
 
 Data: every sequence at its full length and every token an assistant token, the worst case
 for every size the code derives from the masks (packed rows, labelled anchors). Attention:
-the drafters run `flash_cpu`'s kernel for every dtype (`cuda_like_attention`), which saves
-what CUDA's flex_attention and SDPA's efficient kernel save (outputs and logsumexp, O(T)),
-where the CPU's own bf16 pick (`block`) would keep [heads, rows, keys] probabilities; the
-target runs SDPA (flash-attn's memory). `benchmarks/paper_shapes.py` prints the table.
+the drafters run `flex_like` for every dtype (`cuda_like_attention`): what CUDA's
+flex_attention keeps for backward (q, the concatenated [prefix; diagonal] keys and values,
+the output and logsumexp) and SDPA's efficient kernel allocates (keys repeated per head),
+with `flash_cpu`'s math, where the CPU's own bf16 pick (`block`) would keep [heads, rows,
+keys] probabilities; the target runs SDPA (flash-attn's memory).
+
+What the fake-tensor peak cannot see is booked as a stated allowance (`cuda_gb`): the CUDA
+context, NCCL's buffers, the cuBLAS/Triton workspaces (`CUDA_FIXED_GB`) and the caching
+allocator's rounding and fragmentation (`FRAGMENTATION`, under
+`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, which workflow/rules/common.smk exports
+to every job). A rule fits when its peak with the allowance stays under the booked GPU less
+`HEADROOM_GB` (`fits_gpu`); docs/paper-scale.md states the numbers and their sources.
+`benchmarks/paper_shapes.py` prints the table.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import tempfile
 import time
@@ -32,8 +42,10 @@ from .features import batch_rows, open_features, pad_batch
 from .shapes import GB, ShapeMeter
 from .stepwise import chain_correct, greedy_continuations, greedy_rollouts
 from .target import heldout_loss
-from .train import build_variant, evaluate, variant_config
+from . import train as train_module
+from .train import build_variant, evaluate, grad_norms, variant_config
 from .ttt import label_positions, scored_tokens, step_losses, target_labels, weighted_loss
+from .variants import param_groups
 
 # Qwen/Qwen3-8B's config.json (the revision config/paper.yaml pins): the shapes that matter
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -47,6 +59,42 @@ QWEN3_ARCHS = {
     "Qwen/Qwen3-0.6B": {**QWEN3_8B, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                         "num_attention_heads": 16, "tie_word_embeddings": True},
 }
+
+
+# ---------------------------------------------------------------- what the meter cannot see
+# The GPU every GPU rule books: profiles/slurm books `gpu: 1` of its GPU partition per process
+# and states no model, so the paper's: an H100 SXM with 80 GB (GB = 10^9 bytes, as the meter's).
+GPU_GB = 80.0
+# Never plan a rule above GPU_GB - HEADROOM_GB = 72 GB: what the allowance below gets wrong
+# (an unmeasured kernel workspace, a longer packed row, a new PyTorch) must still fit.
+HEADROOM_GB = 8.0
+# Per rank, fixed: the CUDA context with its loaded modules (~0.5-1 GB on an H100 with CUDA 12's
+# lazy loading), NCCL's communicator buffers for DDP over 8 NVLink GPUs (~1.6 GB reported for
+# one communicator after an all-reduce, NVIDIA/nccl#864; NVLS on H100 adds to it), the cuBLAS and
+# cuBLASLt workspaces (32 MiB per handle on Hopper) and the compiled flex kernels. A one-GPU rule
+# has no NCCL: the same number over-books it by ~1.6 GB.
+CUDA_FIXED_GB = 3.0
+# The caching allocator's reserved-over-allocated under packed shapes that change every step:
+# block rounding (512 B; 2 MiB pages with expandable segments) and fragmentation, which
+# expandable_segments:True bounds by growing one segment instead of caching odd-sized blocks.
+FRAGMENTATION = 0.10
+
+
+def cuda_gb(peak_gb: float) -> float:
+    """A measured peak (GB) with the CUDA allowance: peak x (1 + FRAGMENTATION) + CUDA_FIXED_GB."""
+    return peak_gb * (1 + FRAGMENTATION) + CUDA_FIXED_GB
+
+
+def gpu_limit_gb(gpu_gb: float = GPU_GB) -> float:
+    """What a rule may use of the booked GPU: its memory less HEADROOM_GB."""
+    return gpu_gb - HEADROOM_GB
+
+
+def ddp_buckets_alias_grads() -> bool:
+    """Whether the trainer's DDP wrap sets `gradient_as_bucket_view=True` (read from
+    `train.setup`'s source: the meter cannot run DDP). Then DDP's buckets are the gradients,
+    resident all step; otherwise each bucket is one more copy of them."""
+    return "gradient_as_bucket_view=True" in inspect.getsource(train_module.setup)
 
 
 def config_arch(cfg: dict) -> dict:
@@ -68,14 +116,60 @@ class Row:
     def tflop_per(self) -> float:
         return self.tflop / self.units
 
+    @property
+    def cuda_gb(self) -> float:
+        """The peak with the CUDA allowance (context, NCCL, workspaces, fragmentation)."""
+        return cuda_gb(self.peak_gb)
+
+    def fits(self, gpu_gb: float = GPU_GB) -> bool:
+        return self.cuda_gb <= gpu_limit_gb(gpu_gb)
+
+
+class _FlexSaves(torch.autograd.Function):
+    """An identity on q whose node holds the concatenated keys and values until the attention's
+    backward has run (it sits before the attention: its backward runs after it), as
+    flex_attention's own node does; it adds nothing to the FLOPs."""
+
+    @staticmethod
+    def forward(ctx, q, k_cat, v_cat):
+        ctx.save_for_backward(k_cat, v_cat)
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def flex_like(q, k, v, mask, dk, dv, steps, scale):
+    """`attention._flex`'s memory with `flash_cpu`'s math (flex has no CPU backward). Training:
+    the same torch.cat of [prefix; diagonal] keys and values, kept for backward beside what
+    flash_cpu saves (q, k, v, dk, dv, the output and logsumexp: q, the output and logsumexp
+    are what flex keeps too; k, v, dk, dv are the layer's own tensors, live anyway; flash_cpu
+    also keeps its diagonal probabilities, [B, N, S, G, Tq], which flex does not: a slight
+    over-count). No grad (`_sdpa` on CUDA: evaluation, decoding): the concatenated keys repeated
+    per query head (GQA as the efficient kernel takes it), live for the call; _sdpa makes them
+    per row block, this for all rows at once (an upper bound)."""
+    k_cat, v_cat = k, v
+    if dk is not None:
+        k_cat = torch.cat([k, dk if steps else dk.flatten(2, 3)], dim=2)
+        v_cat = torch.cat([v, dv if steps else dv.flatten(2, 3)], dim=2)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, dk, dv)):
+        q = _FlexSaves.apply(q, k_cat, v_cat)
+        return attention_backends._flash_cpu(q, k, v, mask, dk, dv, steps, scale)
+    g = q.shape[1] // k.shape[1]
+    repeated = (k_cat.repeat_interleave(g, 1), v_cat.repeat_interleave(g, 1))
+    out = attention_backends._flash_cpu(q, k, v, mask, dk, dv, steps, scale)
+    del repeated
+    return out
+
 
 @contextlib.contextmanager
 def cuda_like_attention():
-    """Every drafter attention through the fused flash kernel (`flash_cpu`'s function) in any
-    dtype: the memory of CUDA's flex (training) and SDPA efficient (decoding) kernels."""
+    """Every drafter attention through `flex_like` in any dtype: the memory of CUDA's flex
+    (training) and SDPA efficient (decoding) kernels, flash_cpu's math."""
     chosen = attention_backends.chosen_attention()
     saved = attention_backends._BACKEND_FUNCTIONS["flex"]
-    attention_backends._BACKEND_FUNCTIONS["flex"] = attention_backends._flash_cpu
+    attention_backends._BACKEND_FUNCTIONS["flex"] = flex_like
     attention_backends.use_attention("flex")
     try:
         yield
@@ -148,11 +242,19 @@ class PaperShapes:
 
     # ------------------------------------------------------------ training
     def train_rows(self, name: str) -> list[Row]:
-        """train_drafter: one step per rank (online target forward, labels, the unroll, the
-        losses, backward, clip, AdamW with its state), then `train.evaluate` on one batch."""
+        """train_drafter: one logging step per rank, as `train.train_step` runs it (online target
+        forward, labels, the unroll, the losses, backward, `train.grad_norms`, clip, AdamW with
+        its state; the unroll's logits, the labels and the graph dropped after the backward, the
+        batch live until the step ends: the worst case, a logging step without probe batches),
+        then `train.evaluate`
+        on one batch. DDP (world > 1): its buckets are resident all step, the gradients
+        themselves when `gradient_as_bucket_view=True` (`ddp_buckets_alias_grads`), one more
+        copy otherwise. Nothing of the previous step is live when a step starts (the trainer
+        drops it)."""
         rows: list[Row] = []
         tc, dcfg = self.cfg["drafters"]["train"], self.cfg["drafters"]
         per_rank = tc["batch_size"] // self.world
+        ddp = self.world > 1
         with self.meter:
             v, model = self.drafter(name)
             model.train()
@@ -160,12 +262,15 @@ class PaperShapes:
             src = open_features(self.folder, self.rt, model=self.target)
             src.read_only(model.cfg.kv_layers, model.reads_aux_hidden)
             params = [p for p in model.parameters() if p.requires_grad]
+            groups = param_groups(model)
             opt = torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"], betas=(0.9, 0.95),
                                     foreach=True)   # CUDA's default: foreach
             for p in params:   # AdamW's state exists from the second step on: measure a steady step
                 p.grad = torch.zeros_like(p)
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            # DDP: the buckets stay allocated from step to step (zero_grad only drops the views)
+            opt.zero_grad(set_to_none=not ddp)
+            buckets = [torch.zeros_like(p) for p in params] if ddp and not ddp_buckets_alias_grads() else []
             fwd = training_forward(model)
         head_w = self.target.lm_head.weight.detach()
         with self._measure(rows, "train_drafter", name, "step", 1):
@@ -178,15 +283,17 @@ class PaperShapes:
                 losses, _, _, _ = step_losses(model, un, batch, labels, denominators)
                 loss = weighted_loss(losses, decay)
             loss.backward()
-            del un, losses, loss, labels, batch
+            del un, losses, loss, labels   # the trainer drops the logits, labels and graph here
+            grad_norms(groups)   # a logging step: the trainer's own function
             torch.nn.utils.clip_grad_norm_(params, tc["grad_clip"])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.step()   # the batch still live: a logging step without probe batches keeps it
+            opt.zero_grad(set_to_none=not ddp)
+            del batch
         kv = bool(model.kv_attentions())
         share = tc["batch_size"] // self.world   # one rank's share of a global evaluation batch (DDP: `evaluate`)
         with self._measure(rows, "train_drafter evaluate", name, "sequence", share):
             evaluate(model, src, head_w, steps, share, 1, self.target if kv else None, self.rt.dtype)
-        del opt, fwd, params, model
+        del opt, fwd, params, groups, model, buckets
         return rows
 
     # ------------------------------------------------------------ evaluation

@@ -38,8 +38,13 @@ fill_defaults(config)   # what an omitted optional field means: the schema's `de
 
 # The package runs from this checkout in every job, local, conda or SLURM alike; Snakemake's
 # own strict prefix stays first (a failing command in a pipe or an unset variable fails the job).
+# CUDA's caching allocator grows segments instead of caching odd-sized blocks, which packed
+# shapes that change every step would fragment (docs/paper-scale.md: the memory allowance);
+# a value the caller set wins. A profile cannot set a job's environment (the SLURM plugin
+# forbids --export in slurm_extra; `envvars` only forwards the submitting shell's values).
 # (the prefix is formatted like a shell command: its literal braces are doubled once more)
-shell.prefix(f"set -euo pipefail; export PYTHONPATH={SRC}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; ")
+shell.prefix(f"set -euo pipefail; export PYTHONPATH={SRC}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
+             "export PYTORCH_CUDA_ALLOC_CONF=${{PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}}; ")
 
 
 def stage_params(*sections):

@@ -1,3 +1,9 @@
+def capture_gpus():
+    """Offline: the target's forwards, one GPU on CUDA (`gpus`). Online: tokenizing and indexing
+    only (the trainer runs the target; this stage reads its config), so no GPU."""
+    return gpus() if config["features"]["mode"] == "offline" else 0
+
+
 rule capture_features:
     input:
         split=split_jsonl,
@@ -16,7 +22,7 @@ rule capture_features:
         DEVICE_ENV
     threads: 1
     resources:
-        gpu=gpus(),
+        gpu=capture_gpus(),
         mem_mb=8000,
         runtime=60,
     shell:
