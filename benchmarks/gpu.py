@@ -8,6 +8,10 @@ with random weights, so only costs are reported) it measures, one JSON line per 
                   config's sequence length (2,048), one sequence, K TTT steps, AdamW step included
   online_features the target forward that captures a batch's features, against the drafter's step
   decode_round    per paradigm: a chain round's drafting and verify times (prompt of 512 tokens)
+  compiled_step   per paradigm (block-wise included), at the small shape: one training step through
+                  the backend `auto` picks on CUDA (flex and its block masks compiled), first step with
+                  the compilation and a second, loss and gradient norm against the reference attention
+                  (on CPU with --dry: under `attention.cuda_branches()`, CUDA's branches)
   rule_cost       per paradigm (block-wise included), rows named as benchmarks/paper_shapes.py's:
                   train_drafter/<p> (one rank's training step, online target forward included),
                   evaluate/<p> (`train.evaluate`, one batch), eval_stepwise/<p> (`stepwise.chain_correct`
@@ -20,7 +24,7 @@ H200); a figure that fails or is out of time prints its line with "error" or "sk
 
     python benchmarks/gpu.py [--config config/paper.yaml] [--out results/benchmarks/gpu.jsonl]
     python benchmarks/gpu.py --dry     # CPU, tiny shapes, the same code paths (tests, CI)
-    python benchmarks/gpu.py --only-costs [--shape paper]   # config, online_features, rule_cost only
+    python benchmarks/gpu.py --only-costs [--shape paper]   # config, online_features, compiled_step, rule_cost
 
 --dry uses the smoke overlay's tiny target (config.yaml + smoke.yaml) at sequence length 16 on CPU in fp32: the
 training step runs under `sdpa` (flex_attention has no CPU backward: its loss runs forward
@@ -47,6 +51,7 @@ from kvshot.blockwise import objective, training_forward
 from kvshot.checks import all_variants
 from kvshot.config import Runtime, drafter_autocast, feature_spec, read_config
 from kvshot.decode import DraftSpec, plain_generate, speculative_generate
+from kvshot.drafters import attention as attention_backends
 from kvshot.drafters.attention import pick_backend, use_attention
 from kvshot.features import INDEX, TOKEN_KEYS, open_features, pad_batch
 from kvshot.io import write_json
@@ -275,6 +280,85 @@ def measured(fn, device: str) -> dict:
     return out
 
 
+def rank_step(model, fwd, opt, params, src, sequences: int, head_w, steps: int, decay: float, rt: Runtime,
+              clip: float) -> dict:
+    """One rank's training step as the trainer takes it: the online target forward (the
+    batch), labels, the unroll, the losses, backward, clip, AdamW. Its loss and gradient norm."""
+    batch = src.batch(list(range(sequences)))
+    lab = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
+    with rt.autocast():
+        loss = weighted_loss(step_losses(model, fwd(batch, steps), batch, lab)[0], decay)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return {"loss": float(loss.detach()), "grad_norm": float(norm)}
+
+
+def compiled_steps(run: "Run", cfg: dict, device: str, dtype: torch.dtype) -> None:
+    """Per paradigm (block-wise included), at the small shape: two training steps through the
+    backend `auto` picks for training on CUDA (flex, its block masks and kernel compiled), the
+    first with the compilation, against the same first step through the reference attention
+    from the same weights. On CPU (--dry) under `attention.cuda_branches()`: the branches CUDA
+    takes. Lines `compiled_step`: backend, seconds, loss and gradient-norm relative errors."""
+    size = cost_shape("small")
+    rt = Runtime(device=device, dtype="bfloat16", threads=1, seed=0)
+    target = random_target(size["arch"], size["vocab"], device, dtype)
+    dcfg = cfg["drafters"]
+    paradigms: dict[str, str] = {}
+    for _, v in all_variants(cfg):
+        paradigms.setdefault(v["paradigm"], v["name"])
+    folder = Path(tempfile.mkdtemp(prefix="kvshot-gpu-compiled-"))
+    try:
+        src = online_source(folder / "features", target, 2, size["seq_len"], size["features"], rt)
+        for paradigm, name in paradigms.items():
+            def row(name=name):
+                v = variant_config(cfg, name)
+                d2t = torch.arange(min(dcfg["draft_vocab_size"], size["vocab"]))
+                out, state = {}, None
+                for backend in ("reference", "auto"):
+                    torch.manual_seed(0)
+                    model = build_variant(v, target.config, target.model.embed_tokens.weight, d2t, target).to(device)
+                    if state is None:
+                        state = {k: t.clone() for k, t in model.state_dict().items()}
+                    model.load_state_dict(state)
+                    src.read_only(model.cfg.kv_layers, model.reads_aux_hidden)
+                    steps, decay = objective(model, dcfg, v)
+                    params = [p for p in model.parameters() if p.requires_grad]
+                    opt = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95))
+                    use_attention(backend)
+                    ran = []
+                    saved = dict(attention_backends._BACKEND_FUNCTIONS)
+                    attention_backends._BACKEND_FUNCTIONS.update(
+                        {n: (lambda f, n: lambda *a: ran.append(n) or f(*a))(f, n) for n, f in saved.items()})
+                    try:
+                        times = []
+                        for _ in range(1 if backend == "reference" else 2):
+                            sync(device)
+                            t0 = time.perf_counter()
+                            as_cuda = device == "cpu" and backend == "auto"
+                            with attention_backends.cuda_branches() if as_cuda else contextlib.nullcontext():
+                                step = rank_step(model, training_forward(model), opt, params, src, 2,
+                                                 target.lm_head.weight, steps, decay, rt, v["train"]["grad_clip"])
+                            sync(device)
+                            times.append(time.perf_counter() - t0)
+                            out.setdefault(backend, step)
+                    finally:
+                        attention_backends._BACKEND_FUNCTIONS.update(saved)
+                        use_attention("auto")
+                    if backend == "auto":
+                        ref = out["reference"]
+                        return {"backend": sorted(set(ran)), "first_step_s": times[0], "step_s": times[1],
+                                "loss": step["loss"], "loss_rel_err": abs(out["auto"]["loss"] - ref["loss"]) / abs(ref["loss"]),
+                                "grad_norm_rel_err": abs(out["auto"]["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"],
+                                "cpu_as_cuda": device == "cpu"}
+
+            run.figure("compiled_step", row, paradigm=paradigm, variant=name, seq_len=size["seq_len"])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        use_attention("auto")
+
+
 def paradigm_costs(run: "Run", cfg: dict, shape: str, target, target_shape: tuple[dict, int], device: str,
                    dtype: torch.dtype) -> None:
     """Per paradigm (the first variant of each, block-wise ones included), at `shape`
@@ -323,15 +407,8 @@ def paradigm_costs(run: "Run", cfg: dict, shape: str, target, target_shape: tupl
             fwd = training_forward(model)
 
             def train_once():
-                batch = src.batch(list(range(size["train_batch"])))
-                lab = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
-                with rt.autocast():
-                    loss = weighted_loss(step_losses(model, fwd(batch, steps), batch, lab)[0], decay)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, v["train"]["grad_clip"])
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                return {"loss": float(loss.detach())}
+                return rank_step(model, fwd, opt, params, src, size["train_batch"], head_w, steps, decay, rt,
+                                 v["train"]["grad_clip"])
 
             def evaluate_once():
                 ev = train.evaluate(model, src, head_w, steps, size["eval_batch"], 1,
@@ -379,7 +456,7 @@ def main() -> int:
     ap.add_argument("--shape", choices=("small", "paper"), default=None,
                     help="sizes of the per-paradigm rule_cost rows (default: small with --dry, else paper)")
     ap.add_argument("--only-costs", action="store_true",
-                    help="config, online_features and the rule_cost rows only (a short device check)")
+                    help="config, online_features, compiled_step and the rule_cost rows only (a short device check)")
     args = ap.parse_args()
     args.shape = args.shape or ("small" if args.dry else "paper")
     cfg = read_config(args.config or (["config/config.yaml", "config/smoke.yaml"] if args.dry else ["config/paper.yaml"]))
@@ -470,6 +547,11 @@ def main() -> int:
         run.figure("decode_round", lambda: decode_round(target, model, aux, steps, device, prompt_len, new_tokens),
                    paradigm=paradigm)
     del models, batch
+    try:
+        compiled_steps(run, cfg, device, dtype)
+    except Exception as e:   # the setup: one line, the rest go on
+        traceback.print_exc(file=sys.stderr)
+        run.emit("compiled_step", error=f"{type(e).__name__}: {str(e)[:300]}")
     try:
         paradigm_costs(run, cfg, args.shape, target, (arch, vocab), device, dtype)
     except Exception as e:   # the setup (a target of the shape, the feature folder): one line, the rest go on

@@ -276,6 +276,10 @@ def test_gpu_benchmark_dry_run(tmp_path):
     assert config["figure"] == "config" and config["configured_attention"] == "auto"
     assert (config["cuda_training_backend"], config["cuda_decoding_backend"]) == ("flex", "sdpa")
     assert config["cpu_fp32_training_backend"] == "flash_cpu"
+    compiled = {x["paradigm"]: x for x in lines if x["figure"] == "compiled_step"}   # CUDA's branches, on CPU
+    assert set(compiled) == {"hidden", "kv", "hybrid", "standalone", "block"}
+    for x in compiled.values():
+        assert x["backend"] == ["flex"] and x["cpu_as_cuda"] and x["loss_rel_err"] < 1e-2 and x["grad_norm_rel_err"] < 3e-2
     steps = {(x["paradigm"], x["backend"]): x for x in lines if x["figure"] == "train_step"}
     assert set(steps) == {(p, b) for p in ("hidden", "kv", "hybrid", "standalone") for b in ("flex", "sdpa")}
     assert all(x["tokens_per_s"] > 0 and 0 < x["mfu"] < 1 for x in steps.values())
