@@ -67,12 +67,15 @@ def test_config_overlay_names_the_file_and_checks_the_shape():
 
 HELDOUT_ANSWERS = 40
 # Perplexity of SmolLM2-135M-Instruct (Q4_1, fp32) on the first assistant answers of 40
-# held-out ShareGPT conversations, measured 5.4. The toy target (config.yaml) scores ~152 on
+# held-out ShareGPT conversations: 5.4 on whole answers (issue 38), 4.5 on their first 256
+# tokens of conversation (measured here), and what this test prints on each answer's first 48
+# tokens after 32 of its prompt. The toy target (config.yaml) scores ~152 on
 # its own held-out text, and a unigram model of English over a 49k vocabulary scores in the
 # hundreds: below 15 only a model that predicts English from context gets there, with room for
 # the spread of 40 answers; a broken load (wrong tensor layout, untied head, bad template)
 # lands in the hundreds or thousands.
 PPL_MAX = 15.0
+PROMPT_TOKENS, ANSWER_TOKENS = 32, 48   # per answer: its first 48 tokens after the prompt's last 32 (CPU time)
 TOY_PPL = 152.0
 
 
@@ -90,19 +93,19 @@ def smollm2(tmp_path_factory):
     cfg = merge(merge(base, yaml.safe_load((REPO / "config/smoke.yaml").read_text())),
                 yaml.safe_load((REPO / "config/smollm2.yaml").read_text()))
     cfg["threads"] = 2
-    cfg["data"].update(sources=[{"kind": "sharegpt_package", "max_records": 600}], train_samples=16,
-                       eval_samples=HELDOUT_ANSWERS, val_samples=4, max_len=256)
-    cfg["target"]["pretrain"].update(block_size=256, batch_size=4, eval_blocks=4, generations=1, generation_tokens=16)
-    cfg["features"].update(aux_layers=None, kv_layers=[29], max_samples=16)
+    cfg["data"].update(sources=[{"kind": "sharegpt_package", "max_records": 600}], train_samples=8,
+                       eval_samples=HELDOUT_ANSWERS, val_samples=2, max_len=1024)
+    cfg["target"]["pretrain"].update(block_size=128, batch_size=2, eval_blocks=2, generations=1, generation_tokens=8)
+    cfg["features"].update(aux_layers=None, kv_layers=[29], max_samples=8, max_len=96)
     cfg["drafters"]["draft_vocab_size"] = 512
     cfg["drafters"]["variants"] = [{"name": "kv1", "paradigm": "kv", "layers": 1}]
     cfg["scaling"]["variants"] = ["kv1"]
-    cfg["drafters"]["train"].update({"max_steps": 8, "ckpt_every": 100, "batch_size": 4, "max_len": 256,
+    cfg["drafters"]["train"].update({"max_steps": 6, "ckpt_every": 100, "batch_size": 2, "max_len": 96,
                                      "eval_batches": 1, "eval_every": 0, "plateau": None, "lr": 3e-3})
     validate_config(cfg, ["<smollm2 test>"])
     rt = runtime(cfg)
     t0 = time.perf_counter()
-    prepare_data(cfg["data"]["sources"], 16, HELDOUT_ANSWERS, 0, root / "data", val_samples=4)
+    prepare_data(cfg["data"]["sources"], 8, HELDOUT_ANSWERS, 0, root / "data", val_samples=2)
     build_tokenizer(cfg["tokenizer"], root / "data/train.jsonl", root / "tokenizer")
     t1 = time.perf_counter()
     metrics = run_target_stage(cfg, rt, str(root / "data/train.jsonl"), str(root / "data/eval.jsonl"),
@@ -124,19 +127,30 @@ def test_smollm2_is_a_real_lm(smollm2):
     load_s = time.perf_counter() - t0
     tok = load_tokenizer(root / "model")
     assert "SmolLM" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)   # its own template
+    rows = []   # per conversation: the end of its prompt and the start of its first answer
+    for conv in read_jsonl(root / "data/eval.jsonl"):
+        ids, mask = tokenize_conversation(tok, conv["messages"][:2], 4096)
+        a = mask.index(1)
+        lo = max(0, a - PROMPT_TOKENS)
+        rows.append((ids[lo: a + ANSWER_TOKENS], mask[lo: a + ANSWER_TOKENS]))
+    t0 = time.perf_counter()
     total, count = 0.0, 0
     with torch.no_grad():
-        for conv in read_jsonl(root / "data/eval.jsonl"):
-            ids, mask = tokenize_conversation(tok, conv["messages"][:2], 256)   # the first answer
-            x, mk = torch.tensor([ids]), torch.tensor(mask[1:], dtype=torch.bool)
-            logp = torch.log_softmax(target(input_ids=x).logits[0, :-1].float(), -1)
-            nll = -logp.gather(-1, x[0, 1:, None])[:, 0]
+        for i in range(0, len(rows), 8):
+            batch = rows[i: i + 8]
+            width = max(len(ids) for ids, _ in batch)
+            x = torch.tensor([ids + [tok.pad_token_id] * (width - len(ids)) for ids, _ in batch])
+            am = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
+            mk = torch.tensor([m[1:] + [0] * (width - len(m)) for _, m in batch], dtype=torch.bool)
+            logp = torch.log_softmax(target(input_ids=x, attention_mask=am).logits[:, :-1].float(), -1)
+            nll = -logp.gather(-1, x[:, 1:, None])[..., 0]
             total += float(nll[mk].sum())
             count += int(mk.sum())
     ppl = math.exp(total / count)
+    ppl_s = time.perf_counter() - t0
     print(f"smollm2: held-out answer ppl {ppl:.2f} over {count} tokens; packed held-out ppl "
-          f"{m['heldout_ppl']:.2f}; reload {load_s:.2f} s; generation {m['generations'][0]['greedy']!r}")
-    assert count > 2000
+          f"{m['heldout_ppl']:.2f}; reload {load_s:.2f} s; ppl forwards {ppl_s:.1f} s; generation {m['generations'][0]['greedy']!r}")
+    assert count > 1500
     assert ppl < PPL_MAX and ppl < TOY_PPL / 10
 
 
@@ -157,18 +171,18 @@ def test_smollm2_kv_drafter_trains_and_decodes_losslessly(smollm2):
     train_variant(cfg, rt, "kv1", str(root / "features/train"), str(root / "features/val"), str(root / "model"),
                   str(root / "drafter"))
     log = json.loads((root / "drafter/train_log.json").read_text())
-    assert len(log) == 8 and log[-1]["loss"] < log[0]["loss"]
+    assert len(log) == 6 and log[-1]["loss"] < log[0]["loss"]
     target = load_target(root / "model", rt, attn="sdpa")
     drafter = load_drafter(root / "drafter", embed=target.model.embed_tokens.weight.detach())
     assert drafter.cfg.kv_layers == [29] and drafter.cfg.qk_norm is False
     tok = load_tokenizer(root / "model")
     accepted = 0
     for conv in read_jsonl(root / "data/eval.jsonl")[:2]:
-        x = torch.tensor([encode_prompt(tok, conv["messages"][:1], 128)])
-        ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24,
+        x = torch.tensor([encode_prompt(tok, conv["messages"][:1], 64)])
+        ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=16,
                               eos_token_id=None, pad_token_id=tok.pad_token_id)[0, x.shape[1]:].tolist()
-        res = speculative_generate(target, drafter, x, 24, None, None, DraftSpec(depth=3))
+        res = speculative_generate(target, drafter, x, 16, None, None, DraftSpec(depth=3))
         assert res.tokens == ref
         accepted += sum(res.accepted)
-    print(f"smollm2: kv drafter, 8 steps: loss {log[0]['loss']:.2f} -> {log[-1]['loss']:.2f}, "
-          f"{accepted} draft tokens accepted over 48")
+    print(f"smollm2: kv drafter, 6 steps: loss {log[0]['loss']:.2f} -> {log[-1]['loss']:.2f}, "
+          f"{accepted} draft tokens accepted over 32")
