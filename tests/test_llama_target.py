@@ -144,3 +144,24 @@ def test_llama_greedy_decoding_is_lossless_and_agrees_with_stepwise(world, varia
                 compared += 1
             t += acc + 1
     assert compared >= 10
+
+
+@torch.no_grad()
+def test_standalone_on_llama_is_a_llama_lm(tiny_llama, tiny_llama_features):
+    """The standalone LM of a Llama target starts from its layers (no q/k norm to find) and
+    converts to a LlamaForCausalLM whose logits equal every unroll step."""
+    from kvshot.drafters.standalone import to_hf
+    from kvshot.ttt import unroll
+
+    target = load_target(tiny_llama["model"], tiny_llama["rt"], attn="eager")
+    v = {"name": "s", "paradigm": "standalone", "layers": 2}
+    model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), torch.arange(10), target).eval()
+    assert model.cfg.qk_norm is False
+    torch.testing.assert_close(model.layers[1].self_attn.k_proj.weight, target.model.layers[1].self_attn.k_proj.weight)
+    hf = to_hf(model, attn_implementation="eager")
+    assert isinstance(hf, LlamaForCausalLM)
+    ids = open_features(tiny_llama_features["train"]).batch([0])["input_ids"][:, :40].long()
+    ref = hf(ids).logits
+    un = unroll(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}, K)
+    for k in range(K):
+        torch.testing.assert_close(un.step_logits(k)[:, : ids.shape[1] - k - 1], ref[:, k + 1:], atol=1e-5, rtol=0)
