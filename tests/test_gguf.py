@@ -50,6 +50,23 @@ def test_missing_file_and_wrong_checksum(tmp_path, monkeypatch):
     assert gguf_path({**gcfg, "sha256": __import__("hashlib").sha256(b"not the pinned file").hexdigest()}).is_file()
 
 
+def test_missing_gguf_reader_says_what_to_install(tmp_path, monkeypatch):
+    import kvshot.gguf as g
+
+    pkg = tmp_path / "fake_gguf_pkg2"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "m.gguf").write_bytes(b"x")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(g.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
+    gcfg = {**SMOLLM2, "package": "fake_gguf_pkg2", "file": "m.gguf",
+            "sha256": __import__("hashlib").sha256(b"x").hexdigest()}
+    with pytest.raises(GGUFError) as err:
+        g.load_gguf_model(gcfg)
+    assert f"pip install {g.GGUF_READER}" in one_line(err.value)
+
+
 def test_config_overlay_names_the_file_and_checks_the_shape():
     from kvshot.checks import target_shape
     from kvshot.config import ConfigError, read_config, validate_config
