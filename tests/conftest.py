@@ -103,3 +103,39 @@ def build_test_drafter(world, variant: dict, seed: int = 0):
             if p.requires_grad and p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     return model.eval()
+
+
+# A tiny Llama target beside the Qwen3 one: no q/k norm, GQA 6:3, 6 layers, tied embeddings,
+# the same data and tokenizer; what SmolLM2 (target.source gguf) is, at test size.
+LLAMA_ARCH = {"model_type": "llama", "hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 6,
+              "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16, "max_position_embeddings": 1024,
+              "rope_theta": 100000.0, "tie_word_embeddings": True}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny):
+    """`tiny` with a Llama target (LLAMA_ARCH) pretrained by the same stage code."""
+    import copy
+
+    from kvshot.config import validate_config
+    from kvshot.target import run_target_stage
+
+    root = tiny["root"] / "llama"
+    cfg = copy.deepcopy(tiny["cfg"])
+    cfg["target"]["arch"] = dict(LLAMA_ARCH)
+    validate_config(cfg, ["<tiny_llama>"])
+    run_target_stage(cfg, tiny["rt"], str(tiny["train"]), str(tiny["eval"]), str(tiny["tokenizer"]),
+                     str(root / "model"), str(root / "metrics.json"))
+    return {**tiny, "root": root, "cfg": cfg, "model": root / "model", "metrics": root / "metrics.json"}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_features(tiny_llama):
+    from kvshot.features import capture_split
+
+    out = {}
+    for split in ("train", "eval"):
+        out[split] = tiny_llama["root"] / "features" / split
+        capture_split(tiny_llama["cfg"], tiny_llama["rt"], str(tiny_llama[split]), str(tiny_llama["model"]),
+                      str(out[split]))
+    return out

@@ -198,7 +198,7 @@ STAGE_HELP = {
     "prepare-data": "read the configured sources, clean, dedupe and split them into train/eval/val JSONL + stats.json",
     "regenerate-data": "(optional) the target rewrites the train answers (data.regenerate)",
     "train-tokenizer": "train the byte-level BPE on the train split, or save the pretrained target's tokenizer",
-    "target": "pretrain the small Qwen3 target (or load the pretrained one) and score it on held-out text",
+    "target": "pretrain the small target (or load the pretrained one or the GGUF file) and score it on held-out text",
     "capture-features": "run the target over a split and store hidden states and KV (offline) or tokens (online)",
     "train-drafter": "train one drafter variant with the TTT objective (checkpoints, resume, DDP)",
     "target-continuations": "the target's greedy continuations of the eval prompts (the step-wise reference)",

@@ -46,6 +46,12 @@ def target_shape(cfg: dict) -> TargetShape | None:
         tok = cfg.get("tokenizer") or {}
         vocab = tok.get("vocab_size") if tok.get("source") == "train" else None
         return TargetShape(arch["num_hidden_layers"], arch["num_attention_heads"], arch["num_key_value_heads"], vocab)
+    if tgt["source"] == "gguf":   # a file known by its checksum; any other waits for the target stage
+        from .gguf import KNOWN_SHAPES
+
+        c = KNOWN_SHAPES.get(tgt.get("gguf", {}).get("sha256"))
+        return TargetShape(c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"],
+                           c["vocab_size"]) if c else None
     try:
         c = _pretrained_config(tgt["name"], tgt.get("revision"))
     except (OSError, ValueError):

@@ -111,11 +111,19 @@ def _check_semantics(cfg: dict, source: str) -> None:
             for key in ("arch", "pretrain"):
                 if key not in tgt:
                     raise ConfigError(f"{source}: target.{key}: missing required key (target.source is 'pretrain')")
+        elif tgt["source"] == "gguf":
+            if "gguf" not in tgt:
+                raise ConfigError(f"{source}: target.gguf: missing (target.source is 'gguf')")
         elif not tgt.get("name"):
             raise ConfigError(f"{source}: target.name: missing (target.source is 'pretrained')")
     tok = cfg.get("tokenizer")
     if tok is not None and tok["source"] == "pretrained" and not tok.get("name"):
         raise ConfigError(f"{source}: tokenizer.name: missing (tokenizer.source is 'pretrained')")
+    if tok is not None and tok["source"] == "gguf" and "gguf" not in tok:
+        raise ConfigError(f"{source}: tokenizer.gguf: missing (tokenizer.source is 'gguf')")
+    if tgt is not None and tok is not None and tgt["source"] == "gguf" and tok.get("gguf") != tgt.get("gguf"):
+        raise ConfigError(f"{source}: tokenizer.gguf: must name the target's GGUF file (target.gguf), "
+                          f"with tokenizer.source 'gguf'")
     if "scaling" in cfg and "drafters" in cfg:
         names = {v["name"] for v in cfg["drafters"]["variants"]}
         for i, name in enumerate(cfg["scaling"]["variants"]):

@@ -1,5 +1,8 @@
-"""The target model: pretrain a small Qwen3 (embedded default) or load Qwen3-8B
-(paper), and one forward that returns what every drafter paradigm reads."""
+"""The target model: pretrain a small Qwen3 or Llama (embedded default: Qwen3), load a
+hub model (paper: Qwen3-8B) or a GGUF file a Python package ships (SmolLM2-135M-Instruct,
+`kvshot.gguf`), and one forward that returns what every drafter paradigm reads. Every later
+stage loads the target through `load_target` (transformers' Auto classes: any decoder
+family with HF `hidden_states` and a DynamicCache)."""
 from __future__ import annotations
 
 import functools
@@ -12,7 +15,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 from .config import Runtime
 from .data import encode_prompt, read_jsonl, tokenize_conversation
@@ -66,28 +70,43 @@ def attn_implementation(requested: str, device: str) -> str:
     return "sdpa"
 
 
-def build_target(arch: dict, vocab_size: int, pad_id: int, attn: str = "sdpa") -> Qwen3ForCausalLM:
-    config = Qwen3Config(vocab_size=vocab_size, pad_token_id=pad_id, attn_implementation=attn, **arch)
-    return Qwen3ForCausalLM(config)
+# target.arch.model_type -> the transformers classes a pretrained target is built from
+ARCHS = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
 
 
-def load_target(target_dir: str | Path, rt: Runtime, attn: str = "auto") -> Qwen3ForCausalLM:
-    """Load what the `target` stage wrote: local weights, or the hub id it names."""
+def build_target(arch: dict, vocab_size: int, pad_id: int, attn: str = "sdpa") -> PreTrainedModel:
+    """A fresh target of `arch` (model_type qwen3, the default, or llama: no q/k norm)."""
+    arch = dict(arch)
+    config_cls, model_cls = ARCHS[arch.pop("model_type", "qwen3")]
+    config = config_cls(vocab_size=vocab_size, pad_token_id=pad_id, attn_implementation=attn, **arch)
+    return model_cls(config)
+
+
+def _weights(target_dir: str | Path) -> tuple[str, str | None]:
+    """Where the target's weights are: the stage's folder (pretrain, gguf), or a hub id."""
     verify_folder(target_dir)   # a damaged weights file fails here, in one line naming it
     meta = read_json(Path(target_dir) / META_FILE)
-    weights = str(target_dir) if meta["source"] == "pretrain" else meta["name"]
-    model = Qwen3ForCausalLM.from_pretrained(
-        weights, dtype=rt.torch_dtype, attn_implementation=attn_implementation(attn, rt.device),
-        revision=meta.get("revision"))
+    local = meta["source"] in ("pretrain", "gguf")
+    return (str(target_dir), None) if local else (meta["name"], meta.get("revision"))
+
+
+def load_target(target_dir: str | Path, rt: Runtime, attn: str = "auto") -> PreTrainedModel:
+    """Load what the `target` stage wrote: local weights, or the hub id it names."""
+    weights, revision = _weights(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        weights, dtype=rt.torch_dtype, attn_implementation=attn_implementation(attn, rt.device), revision=revision)
     return model.to(rt.device).eval()
 
 
 def load_target_config(target_dir: str | Path):
     """The target's config alone (no weights): what online capture needs to describe the features."""
-    verify_folder(target_dir)
-    meta = read_json(Path(target_dir) / META_FILE)
-    weights = str(target_dir) if meta["source"] == "pretrain" else meta["name"]
-    return Qwen3Config.from_pretrained(weights, revision=meta.get("revision"))
+    weights, revision = _weights(target_dir)
+    return AutoConfig.from_pretrained(weights, revision=revision)
+
+
+def has_qk_norm(config) -> bool:
+    """Whether the target's attention normalises q and k per head (Qwen3) or not (Llama)."""
+    return getattr(config, "model_type", "qwen3").startswith("qwen3")
 
 
 def rope_theta(config) -> float:
@@ -106,8 +125,8 @@ class TargetContext:
 
     aux_hidden: [B, T, 3, H] low/middle/high hidden states (EAGLE-3 taps)
     last_hidden: [B, T, H] final-norm output; lm_head(last_hidden) gives the target logits
-    keys/values: layer -> [B, T, H_kv, D]; keys are after q/k-norm and RoPE, as the
-                 target's own KV cache holds them
+    keys/values: layer -> [B, T, H_kv, D]; keys are after RoPE (and Qwen3's k-norm), as
+                 the target's own KV cache holds them
     """
 
     aux_hidden: Tensor
@@ -117,7 +136,7 @@ class TargetContext:
 
 
 @torch.no_grad()
-def target_forward(model: Qwen3ForCausalLM, input_ids: Tensor, attention_mask: Tensor | None,
+def target_forward(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor | None,
                    aux_layers: tuple[int, ...], kv_layers: tuple[int, ...]) -> TargetContext:
     # The decoder body only: the LM head over a 152k vocab is not needed to capture.
     out = model.model(input_ids=input_ids, attention_mask=attention_mask,
@@ -196,8 +215,14 @@ def run_target_stage(cfg: dict, rt: Runtime, train_jsonl: str, eval_jsonl: str,
             metrics.update(pretrain(model, train_blocks, pcfg, rt))
             model.save_pretrained(tmp)
             meta = {"source": "pretrain", "name": None}
+        elif tcfg["source"] == "gguf":
+            from .gguf import load_gguf_model
+
+            model = load_gguf_model(tcfg["gguf"]).to(device=rt.device, dtype=rt.torch_dtype)
+            model.save_pretrained(tmp)   # every later stage reads this folder, never the GGUF file
+            meta = {"source": "gguf", "name": None, "gguf": tcfg["gguf"]}
         else:
-            model = Qwen3ForCausalLM.from_pretrained(
+            model = AutoModelForCausalLM.from_pretrained(
                 tcfg["name"], dtype=rt.torch_dtype, revision=tcfg.get("revision"),
                 attn_implementation=attn_implementation(tcfg["attn_implementation"], rt.device)).to(rt.device)
             meta = {"source": "pretrained", "name": tcfg["name"], "revision": tcfg.get("revision")}
@@ -218,7 +243,7 @@ def run_target_stage(cfg: dict, rt: Runtime, train_jsonl: str, eval_jsonl: str,
     return metrics
 
 
-def pretrain(model: Qwen3ForCausalLM, blocks: Tensor, pcfg: dict, rt: Runtime) -> dict:
+def pretrain(model: PreTrainedModel, blocks: Tensor, pcfg: dict, rt: Runtime) -> dict:
     """Next-token pretraining on packed blocks; the step count is the budget."""
     steps, bs = pcfg["max_steps"], pcfg["batch_size"]
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -262,13 +287,21 @@ def pretrain(model: Qwen3ForCausalLM, blocks: Tensor, pcfg: dict, rt: Runtime) -
 
 
 @torch.no_grad()
-def target_queries(model: Qwen3ForCausalLM, input_ids: Tensor, attention_mask: Tensor | None,
+def target_queries(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor | None,
                    layers: list[int]) -> dict[int, Tensor]:
-    """The target's own attention queries (after q-norm, before RoPE) per layer, [B, H, T, D]:
-    what a KV-path drafter has to estimate for a future position."""
+    """The target's own attention queries (after Qwen3's q-norm, before RoPE) per layer,
+    [B, H, T, D]: what a KV-path drafter has to estimate for a future position. A layer
+    without q-norm (Llama) gives its q_proj output, split into heads."""
     captured: dict[int, Tensor] = {}
-    hooks = [model.model.layers[l].self_attn.q_norm.register_forward_hook(
-        lambda _m, _i, out, l=l: captured.__setitem__(l, out.transpose(1, 2))) for l in set(layers)]
+    head_dim = model.config.head_dim
+
+    def hook(layer: int, attn) -> object:
+        if hasattr(attn, "q_norm"):   # [B, T, H, D] out of the norm
+            return attn.q_norm.register_forward_hook(lambda _m, _i, out: captured.__setitem__(layer, out.transpose(1, 2)))
+        return attn.q_proj.register_forward_hook(   # [B, T, H * D]
+            lambda _m, _i, out: captured.__setitem__(layer, out.unflatten(-1, (-1, head_dim)).transpose(1, 2)))
+
+    hooks = [hook(l, model.model.layers[l].self_attn) for l in set(layers)]
     try:
         model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     finally:

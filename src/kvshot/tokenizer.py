@@ -1,5 +1,6 @@
 """The target's tokenizer: a byte-level BPE trained on the train split (embedded
-default) or a pretrained one (paper), saved as a HF fast tokenizer either way."""
+default), a pretrained one (paper) or the one inside a GGUF target's file, saved as a HF
+fast tokenizer either way."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -56,10 +57,15 @@ def build_tokenizer(tok_cfg: dict, train_jsonl: str | Path, out_dir: str | Path)
     if tok_cfg["source"] == "train":
         tokenizer = train_bpe(read_jsonl(train_jsonl), tok_cfg["vocab_size"])
         origin = f"byte-level BPE trained on {train_jsonl}"
+    elif tok_cfg["source"] == "gguf":
+        from .gguf import load_gguf_tokenizer
+
+        tokenizer = load_gguf_tokenizer(tok_cfg["gguf"])
+        origin = f"{tok_cfg['gguf']['package']}/{tok_cfg['gguf']['file']} (sha256 {tok_cfg['gguf']['sha256'][:12]})"
     else:
         tokenizer = AutoTokenizer.from_pretrained(tok_cfg["name"], revision=tok_cfg.get("revision"))
         origin = tok_cfg["name"] + (f"@{tok_cfg['revision']}" if tok_cfg.get("revision") else "")
-    check_chat_tokens(tokenizer, str(tok_cfg.get("name") or train_jsonl))
+    check_chat_tokens(tokenizer, origin if tok_cfg["source"] == "gguf" else str(tok_cfg.get("name") or train_jsonl))
     if not tokenizer.chat_template:
         tokenizer.chat_template = CHAT_TEMPLATE
     summary = {"origin": origin, "vocab_size": len(tokenizer),

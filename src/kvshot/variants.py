@@ -10,7 +10,7 @@ from .config import ConfigError, all_variants
 from .drafters import Drafter, DrafterConfig, build_drafter
 from .drafters.standalone import init_from_target
 from .features import FeatureSource
-from .target import rope_theta
+from .target import has_qk_norm, rope_theta
 
 
 def variant_config(cfg: dict, name: str) -> dict:
@@ -58,7 +58,9 @@ def build_variant(v: dict, target_cfg, embed: torch.Tensor, d2t: torch.Tensor, t
         vocab_size=target_cfg.vocab_size, draft_vocab_size=len(d2t), rope_theta=rope_theta(target_cfg),
         rms_norm_eps=target_cfg.rms_norm_eps, kv_layers=list(kv_layers) if reads_kv else [],
         gate_shape=v.get("gate_shape", "scalar"), gate_init=float(v.get("gate_init", 0.5)),
-        qk_norm=bool(v.get("qk_norm", True)), block_size=int(v.get("block_size") or 0),
+        # default: the target's own attention (Qwen3: q/k norm; Llama: none); the standalone LM
+        # starts from the target's layers, so it always has the target's
+        qk_norm=has_qk_norm(target_cfg) if paradigm == "standalone" else bool(v.get("qk_norm", has_qk_norm(target_cfg))), block_size=int(v.get("block_size") or 0),
         block_refine=int(v.get("refine_passes") or 0),
         block_context=v.get("context", "kv"), norm_before_fc=bool(v.get("norm_before_fc", False)),
         fc_norm=bool(v.get("fc_norm", False)), norm_output=bool(v.get("norm_output", False)))

@@ -1,18 +1,18 @@
-"""Standalone: a plain small Qwen3 causal LM over the tokens, the classic draft model. It
+"""Standalone: a plain small causal LM over the tokens (the target's family: Qwen3 or Llama), the classic draft model. It
 reads nothing of the target (no hidden states, no KV); its own step-0 keys are its KV cache,
 as in the hidden-only paradigm. Token x_0 is no anchor's step-0 input, so `begin` adds its
 keys (position 0, anchor -1: visible to every row) and the drafter is exactly a causal LM,
-convertible to a transformers `Qwen3ForCausalLM` (`to_hf`)."""
+convertible to a transformers `Qwen3ForCausalLM` (q/k norm) or `LlamaForCausalLM` (`to_hf`)."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from .own_prefix import carried_state, self_attention
 from .skeleton import DecoderLayer, Drafter, StepState
 
-# our layer norms' names in a Qwen3 decoder layer; every other name is the same
+# our layer norms' names in a Qwen3 / Llama decoder layer; every other name is the same
 _HF_RENAMES = {"attn_norm.": "input_layernorm.", "mlp_norm.": "post_attention_layernorm."}
 
 
@@ -46,7 +46,7 @@ class StandaloneDrafter(Drafter):
 
 
 def hf_name(name: str) -> str:
-    """A drafter parameter's name in Qwen3ForCausalLM."""
+    """A drafter parameter's name in Qwen3ForCausalLM / LlamaForCausalLM."""
     if name.startswith("lm_head."):
         return name
     for ours, theirs in _HF_RENAMES.items():
@@ -55,12 +55,15 @@ def hf_name(name: str) -> str:
 
 
 @torch.no_grad()
-def init_from_target(drafter: StandaloneDrafter, target: Qwen3ForCausalLM) -> None:
+def init_from_target(drafter: StandaloneDrafter, target: PreTrainedModel) -> None:
     """Distillation's starting point: the target's embedding, first `num_layers` decoder
     layers, final norm and LM head."""
     theirs = target.state_dict()
     for name, p in drafter.named_parameters():
-        src = theirs[hf_name(name)]
+        src = theirs.get(hf_name(name))
+        if src is None:
+            raise ValueError(f"standalone drafter: {name} has no counterpart {hf_name(name)} in the target "
+                             f"({type(target).__name__}; qk_norm={drafter.cfg.qk_norm})")
         if src.shape != p.shape:
             raise ValueError(f"standalone drafter: {name} {tuple(p.shape)} cannot start from the target's "
                              f"{hf_name(name)} {tuple(src.shape)}")
@@ -68,19 +71,21 @@ def init_from_target(drafter: StandaloneDrafter, target: Qwen3ForCausalLM) -> No
 
 
 def to_hf(drafter: StandaloneDrafter, max_position_embeddings: int = 32768,
-          attn_implementation: str = "sdpa") -> Qwen3ForCausalLM:
-    """The same weights as a transformers Qwen3ForCausalLM (untied head), e.g. as
+          attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """The same weights as a transformers Qwen3ForCausalLM (LlamaForCausalLM without q/k
+    norm; untied head), e.g. as
     `generate(assistant_model=...)`."""
     cfg = drafter.cfg
     if cfg.draft_vocab_size != cfg.vocab_size or not torch.equal(drafter.d2t.cpu(), torch.arange(cfg.vocab_size)):
         raise ValueError("to_hf needs the full target vocabulary as draft vocabulary (d2t = arange(vocab))")
-    config = Qwen3Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if cfg.qk_norm else (LlamaConfig, LlamaForCausalLM)
+    config = config_cls(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                          intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
                          num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
                          head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
                          max_position_embeddings=max_position_embeddings, tie_word_embeddings=False,
                          attn_implementation=attn_implementation)
     weight = drafter.embed_tokens.weight
-    model = Qwen3ForCausalLM(config).to(dtype=weight.dtype, device=weight.device)
+    model = model_cls(config).to(dtype=weight.dtype, device=weight.device)
     model.load_state_dict({hf_name(n): p for n, p in drafter.named_parameters()}, strict=True)
     return model.eval()

