@@ -120,6 +120,12 @@ def gpus(processes=1):
     return processes if config["device"] == "cuda" else 0
 
 
+def capture_gpus():
+    """Offline: the target's forwards, one GPU on CUDA (`gpus`). Online: tokenizing and indexing
+    only (the trainer runs the target; this stage reads its config), so no GPU."""
+    return gpus() if config["features"]["mode"] == "offline" else 0
+
+
 def train_gpus():
     """A training job's GPUs: one per DDP process (drafters.train.num_processes) on CUDA."""
     return gpus(config["drafters"]["train"]["num_processes"])

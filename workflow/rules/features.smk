@@ -1,9 +1,3 @@
-def capture_gpus():
-    """Offline: the target's forwards, one GPU on CUDA (`gpus`). Online: tokenizing and indexing
-    only (the trainer runs the target; this stage reads its config), so no GPU."""
-    return gpus() if config["features"]["mode"] == "offline" else 0
-
-
 rule capture_features:
     input:
         split=split_jsonl,
