@@ -75,18 +75,24 @@ def train_quick(model, batch, head_w, steps: int, lr: float):
     return model.eval()
 
 
+def trained_target(fixture: dict):
+    """The fixture's target pretrained past its 3 steps (varied greedy text that ends with
+    <|im_end|>), fp32 on CPU (exact, deterministic), frozen; and its tokenizer."""
+    torch.manual_seed(0)
+    rt = dataclasses.replace(fixture["rt"], device="cpu", dtype="float32")
+    tok = load_tokenizer(fixture["tokenizer"])
+    target = load_target(fixture["model"], rt, attn="sdpa")
+    blocks = pack_blocks(tokenized(read_jsonl(fixture["train"]), tok, 128), tok.pad_token_id, 64)
+    pretrain(target, blocks, {**fixture["cfg"]["target"]["pretrain"], "max_steps": 150, "lr": 1e-2,
+                              "warmup_steps": 5, "max_minutes": 5}, rt)
+    return tok, target.eval().requires_grad_(False)
+
+
 @pytest.fixture(scope="module")
 def world(tiny, tiny_features):
     """A target trained past the fixture's 3 steps (varied greedy text that ends with
     <|im_end|>), prompts of several lengths, and one briefly trained drafter per variant."""
-    torch.manual_seed(0)
-    rt = dataclasses.replace(tiny["rt"], device="cpu", dtype="float32")   # exact, deterministic
-    tok = load_tokenizer(tiny["tokenizer"])
-    target = load_target(tiny["model"], rt, attn="sdpa")
-    blocks = pack_blocks(tokenized(read_jsonl(tiny["train"]), tok, 128), tok.pad_token_id, 64)
-    pretrain(target, blocks, {**tiny["cfg"]["target"]["pretrain"], "max_steps": 150, "lr": 1e-2,
-                              "warmup_steps": 5, "max_minutes": 5}, rt)
-    target.eval().requires_grad_(False)
+    tok, target = trained_target(tiny)
     src = open_features(tiny_features["train"])
     aux = tuple(src.spec.aux_layers)
     n_layers = target.config.num_hidden_layers

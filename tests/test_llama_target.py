@@ -3,7 +3,6 @@ every stage the Qwen3 one goes through: the target stage, capture, the aux-layer
 the TTT trainer, step-wise evaluation and lossless speculative decoding (chain and tree)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -13,13 +12,12 @@ from transformers import LlamaForCausalLM
 from kvshot.data import read_jsonl
 from kvshot.decode import speculative_generate
 from kvshot.features import open_features
-from kvshot.target import has_qk_norm, load_target, pack_blocks, pretrain, target_forward, target_queries, tokenized
+from kvshot.target import has_qk_norm, load_target, target_forward, target_queries
 from kvshot.taps import default_aux_layers
-from kvshot.tokenizer import load_tokenizer
 from kvshot.train import build_variant, draft_vocab, train_variant
 
 from .conftest import LLAMA_ARCH
-from .test_decode import CHAIN, TREE, K, distill_batch, prompts_of, train_quick
+from .test_decode import CHAIN, TREE, K, distill_batch, prompts_of, train_quick, trained_target
 from .test_train import small_cfg
 
 VARIANTS = {
@@ -81,14 +79,7 @@ def test_trainer_on_a_llama_target(tiny_llama, tiny_llama_features, tmp_path, na
 @pytest.fixture(scope="module")
 def world(tiny_llama, tiny_llama_features):
     """As test_decode's world, on the Llama target: pretrained further, briefly trained drafters."""
-    torch.manual_seed(0)
-    rt = dataclasses.replace(tiny_llama["rt"], device="cpu", dtype="float32")
-    tok = load_tokenizer(tiny_llama["tokenizer"])
-    target = load_target(tiny_llama["model"], rt, attn="sdpa")
-    blocks = pack_blocks(tokenized(read_jsonl(tiny_llama["train"]), tok, 128), tok.pad_token_id, 64)
-    pretrain(target, blocks, {**tiny_llama["cfg"]["target"]["pretrain"], "max_steps": 150, "lr": 1e-2,
-                              "warmup_steps": 5, "max_minutes": 5}, rt)
-    target.eval().requires_grad_(False)
+    tok, target = trained_target(tiny_llama)
     src = open_features(tiny_llama_features["train"])
     aux, n_layers = tuple(src.spec.aux_layers), target.config.num_hidden_layers
     d2t = draft_vocab(src, 150, target.config.vocab_size)
