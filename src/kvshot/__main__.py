@@ -9,6 +9,7 @@ import traceback
 
 from .config import ConfigError, read_config, runtime
 from .data import DataError
+from .gguf import GGUFError
 from .progress import quiet_library_bars
 
 
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads is not None:
             cfg["threads"] = args.threads
         summary = fn(args, cfg)
-    except (ConfigError, DataError, FileNotFoundError) as exc:
+    except (ConfigError, DataError, FileNotFoundError, GGUFError) as exc:
         print(f"kvshot {args.stage}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:   # full disk, read-only or unreadable output: the traceback stays in the log

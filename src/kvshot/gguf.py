@@ -45,30 +45,30 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def gguf_path(gcfg: dict, verify: bool = True) -> Path:
-    """The file `gcfg` names inside its installed package, its checksum verified."""
+def gguf_path(gcfg: dict, verify: bool = True, where: str = "target.gguf") -> Path:
+    """The file `gcfg` (the config field `where`) names inside its installed package, its checksum verified."""
     package = gcfg["package"]
     try:
         spec = importlib.util.find_spec(package)   # locates, does not import (no `llm` needed)
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        raise GGUFError(f"target.gguf: package {package!r} is not installed; install it with: {_install(gcfg)}")
+        raise GGUFError(f"{where}: package {package!r} is not installed; install it with: {_install(gcfg)}")
     path = Path(list(spec.submodule_search_locations)[0]) / gcfg["file"]
     if not path.is_file():
-        raise GGUFError(f"target.gguf: {path} is missing from package {package!r}; reinstall it with: "
+        raise GGUFError(f"{where}: {path} is missing from package {package!r}; reinstall it with: "
                         f"pip install --force-reinstall {_install(gcfg)[len('pip install '):]}")
     if verify:
         found = sha256_of(path)
         if found != gcfg["sha256"]:
-            raise GGUFError(f"target.gguf: {path}: sha256 {found}, expected {gcfg['sha256']}; install the pinned "
+            raise GGUFError(f"{where}: {path}: sha256 {found}, expected {gcfg['sha256']}; install the pinned "
                             f"file with: pip install --force-reinstall {_install(gcfg)[len('pip install '):]}")
     return path
 
 
-def _require_reader() -> None:
+def _require_reader(where: str = "target.gguf") -> None:
     if importlib.util.find_spec("gguf") is None:
-        raise GGUFError(f"target.gguf: transformers needs the `gguf` package to read GGUF files; "
+        raise GGUFError(f"{where}: transformers needs the `gguf` package to read GGUF files; "
                         f"install it with: pip install {GGUF_READER}")
 
 
@@ -76,8 +76,8 @@ def load_gguf_tokenizer(gcfg: dict):
     """The tokenizer (and chat template) inside the verified GGUF file."""
     from transformers import AutoTokenizer
 
-    path = gguf_path(gcfg)
-    _require_reader()
+    path = gguf_path(gcfg, where="tokenizer.gguf")
+    _require_reader("tokenizer.gguf")
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
