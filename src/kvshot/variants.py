@@ -63,7 +63,8 @@ def build_variant(v: dict, target_cfg, embed: torch.Tensor, d2t: torch.Tensor, t
         qk_norm=has_qk_norm(target_cfg) if paradigm == "standalone" else bool(v.get("qk_norm", has_qk_norm(target_cfg))), block_size=int(v.get("block_size") or 0),
         block_refine=int(v.get("refine_passes") or 0),
         block_context=v.get("context", "kv"), norm_before_fc=bool(v.get("norm_before_fc", False)),
-        fc_norm=bool(v.get("fc_norm", False)), norm_output=bool(v.get("norm_output", False)))
+        fc_norm=bool(v.get("fc_norm", False)), norm_output=bool(v.get("norm_output", False)),
+        norm_output_convention=v.get("norm_output_convention", "vllm"))
     model = build_drafter(dc)
     model.set_vocab(embed, d2t)
     if paradigm == "standalone" and target is not None:

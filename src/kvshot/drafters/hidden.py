@@ -44,8 +44,9 @@ class HiddenDrafter(Drafter):
         return self.fc(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        # norm_output: `step` already returned norm(h), which the head reads as is (normed once)
-        return self.lm_head(hidden) if self.cfg.norm_output else super().logits(hidden)
+        # vLLM's norm_output: `step` already returned norm(h), which the head reads as is (normed once);
+        # SpecForge's norm_output false: the head reads h itself (`DrafterConfig.head_norm`)
+        return super().logits(hidden) if self.cfg.head_norm() else self.lm_head(hidden)
 
     def hidden_layer(self, state: StepState, i: int, emb: Tensor, h: Tensor, rot: Rotary,
                      k: int) -> tuple[Tensor, Rotary]:
@@ -70,7 +71,7 @@ class HiddenDrafter(Drafter):
         h = state.hidden
         for i in range(len(self.layers)):
             h, rot = self.hidden_layer(state, i, emb, h, rot, k)
-        if self.cfg.norm_output:   # EAGLE-3.1: the next step (and the head) read the post-norm state
+        if self.cfg.carries_normed():   # vLLM's EAGLE-3.1: the next step (and the head) read the post-norm state
             h = self.norm(h)
         state.hidden = h
         return h

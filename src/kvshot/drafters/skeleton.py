@@ -53,7 +53,12 @@ class DrafterConfig:
     norm_before_residual: bool = False  # hidden paradigm, layer 0: the residual is hidden_norm(h), not h (speculators' switch)
     norm_before_fc: bool = False       # hidden paradigm: one RMSNorm over the concatenated aux states before fc (speculators)
     fc_norm: bool = False              # hidden paradigm (EAGLE-3.1): one RMSNorm per aux state before fc; excludes norm_before_fc
-    norm_output: bool = False          # hidden paradigm (EAGLE-3.1): the next step and the head read norm(h), not h
+    norm_output: bool = False          # hidden paradigm (EAGLE-3.1): what it means is `norm_output_convention`'s
+    # whose definition of norm_output (docs/published-heads.md): vllm (vLLM, speculators: true, the next step
+    # and the head read norm(h)); specforge (SpecForge: the carried state stays raw, the head reads norm(h)
+    # when true and h itself when false). Absent or false under vllm: standard EAGLE-3.
+    norm_output_convention: str = "vllm"
+    own_embedding: bool = False        # the head's own token embedding, saved in the folder (not the target's)
 
     def __post_init__(self) -> None:
         self.check()
@@ -63,6 +68,12 @@ class DrafterConfig:
         if self.fc_norm and self.norm_before_fc:
             raise ValueError(f"{where}: field 'fc_norm' with 'norm_before_fc': per-state norms and one norm over "
                              "their concatenation exclude each other (EAGLE-3.1 uses fc_norm); set one")
+        if self.norm_output_convention not in NORM_OUTPUT_CONVENTIONS:
+            raise ValueError(f"{where}: field 'norm_output_convention' {self.norm_output_convention!r}: one of "
+                             f"{list(NORM_OUTPUT_CONVENTIONS)}")
+        if self.norm_output_convention != "vllm" and self.paradigm != "hidden":
+            raise ValueError(f"{where}: field 'norm_output_convention': a hidden-paradigm (EAGLE-3) switch, "
+                             f"not {self.paradigm}'s")
         for key in ("norm_before_fc", "fc_norm", "norm_output"):
             if getattr(self, key) and self.paradigm != "hidden":
                 raise ValueError(f"{where}: field {key!r}: a hidden-paradigm (EAGLE-3) switch, not {self.paradigm}'s")
@@ -71,7 +82,20 @@ class DrafterConfig:
         # HF-style self-description first (docs/drafter_format.md), then the fields
         meta = {"architectures": [f"KVShot{self.paradigm.capitalize()}Drafter"], "model_type": DRAFTER_MODEL_TYPE,
                 "format_version": DRAFTER_FORMAT_VERSION}
-        path.write_text(json.dumps({**meta, **asdict(self)}, indent=2))
+        # fields added after format 1 shipped are written only when set: folders that do not use them are unchanged
+        own = {k: v for k, v in asdict(self).items() if k not in LATER_DEFAULTS or v != LATER_DEFAULTS[k]}
+        path.write_text(json.dumps({**meta, **own}, indent=2))
+
+    def carries_normed(self) -> bool:
+        """Whether the state carried to the next step is norm(h) (vLLM's norm_output)."""
+        return self.norm_output and self.norm_output_convention == "vllm"
+
+    def head_norm(self) -> bool:
+        """Whether the head applies the final norm to what `step` returns (false: already normed,
+        vLLM's norm_output; or SpecForge's norm_output false, the head reading h itself)."""
+        if self.norm_output_convention == "specforge":
+            return self.norm_output
+        return not self.norm_output
 
     @classmethod
     def load(cls, path: Path) -> "DrafterConfig":
@@ -88,6 +112,8 @@ class DrafterConfig:
             raise ValueError(str(err).replace("drafter config", str(path), 1)) from None
 
 
+NORM_OUTPUT_CONVENTIONS = ("vllm", "specforge")
+LATER_DEFAULTS = {"norm_output_convention": "vllm", "own_embedding": False}
 DRAFTER_MODEL_TYPE = "kvshot_drafter"
 DRAFTER_FORMAT_VERSION = 1
 
@@ -480,7 +506,8 @@ class Drafter(nn.Module):
     def save(self, folder: str | Path, extra_files: dict[str, object] | None = None) -> None:
         with atomic_dir(folder) as tmp:
             self.cfg.save(tmp / "config.json")
-            save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if k not in FROM_TARGET},
+            shared = () if self.cfg.own_embedding else FROM_TARGET   # a head's own embedding is its own tensor
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if k not in shared},
                       str(tmp / "model.safetensors"))
             for name, obj in (extra_files or {}).items():
                 write_json(tmp / name, obj)
