@@ -78,7 +78,10 @@ def _cmd_import(args, cfg) -> dict:
 
     # eagle3: either layout, found from config.json; speculators: vLLM's layout only
     layout = "auto" if args.format == "eagle3" else args.format
-    return import_eagle3(args.checkpoint, args.target, args.out, layout=layout, aux_convention=args.aux_convention)
+    overrides = {"norm_output_convention": args.norm_output_convention,
+                 "norm_before_residual": None if args.norm_before_residual is None else args.norm_before_residual == "true"}
+    return import_eagle3(args.checkpoint, args.target, args.out, layout=layout, aux_convention=args.aux_convention,
+                         overrides={k: v for k, v in overrides.items() if v is not None})
 
 
 def _cmd_target_continuations(args, cfg) -> dict:
@@ -317,7 +320,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--format", choices=["eagle3", "speculators"], required=True,
                    help="eagle3: an EAGLE-3 head in either layout (SpecForge/SGLang or speculators); speculators: that one only")
     s.add_argument("--aux-convention", choices=["vllm", "sglang"], default=None,
-                   help="how the head's aux layer ids count: vllm (input of layer i, the default) or sglang (output of layer i)")
+                   help="override: how the head's aux layer ids count, vllm (input of layer i) or sglang (output of "
+                        "layer i); default: resolved from the file (docs/published-heads.md)")
+    s.add_argument("--norm-output-convention", choices=["vllm", "specforge"], default=None,
+                   help="override: whose norm_output the head follows, vllm (post-norm state carried) or specforge "
+                        "(the head's norm only); default: resolved from the file")
+    s.add_argument("--norm-before-residual", choices=["true", "false"], default=None,
+                   help="override: the first layer's residual is hidden_norm(h); default: the config's key, or "
+                        "when absent the engine's default for the layout")
     s.add_argument("--target", required=True, help="the target folder (its embedding fills the drafter's)")
     s.add_argument("--config", action="append", default=None, help="optional config (not read by import)")
     s.add_argument("--threads", type=int, default=None, help="torch threads")

@@ -28,6 +28,7 @@ from .drafters.hidden import HiddenDrafter
 from .io import atomic_dir, read_json, write_json
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+VLLM_ARCHITECTURE = "Eagle3LlamaForCausalLM"   # vLLM's class name for the same head
 
 # kvshot HiddenDrafter parameter -> EAGLE-3 checkpoint tensor (one decoder layer)
 EAGLE3_NAMES = {
@@ -113,6 +114,9 @@ def check_exportable(drafter, where: str) -> None:
     if cfg.norm_before_fc:
         raise FormatError(f"{where}: norm_before_fc true: not exported (its tensor's name in the engines is unchecked "
                           "here); EAGLE-3.1's per-state fc_norm is")
+    if cfg.norm_output_convention == "specforge" and not cfg.norm_output:
+        raise FormatError(f"{where}: norm_output false under SpecForge's convention (the head reads the raw state): "
+                          "vLLM has no such head; not exported")
 
 
 def eagle3_tensors(drafter: HiddenDrafter, dtype: torch.dtype) -> dict[str, Tensor]:
@@ -123,6 +127,8 @@ def eagle3_tensors(drafter: HiddenDrafter, dtype: torch.dtype) -> dict[str, Tens
     d2t = drafter.d2t.detach().cpu().long()
     out["d2t"] = d2t - torch.arange(len(d2t))
     out["t2d"] = drafter.t2d.detach().cpu().bool().contiguous()
+    if drafter.cfg.own_embedding:   # a head's own embedding (vLLM loads a checkpoint's embed_tokens)
+        out["embed_tokens.weight"] = drafter.embed_tokens.weight.detach().to(dtype).contiguous().cpu()
     return out
 
 
@@ -131,8 +137,11 @@ def eagle3_config(cfg: DrafterConfig, dtype: str, max_position_embeddings: int,
     """A Llama-style HF config as SpecForge writes it for a Qwen3 target (SGLang and vLLM read
     the same keys); `eagle_config` names the target layers the head fuses (HF hidden_states
     indices, vLLM's convention), omitted when unknown (engines then use EAGLE-3's default)."""
+    # vLLM's norm_output carries the post-norm state; under SpecForge's class name
+    # (LlamaForCausalLMEagle3) SpecForge reads the key as the head's norm only: such a head names
+    # vLLM's class, which is how `kvshot import` tells the two apart (docs/published-heads.md)
     config = {
-        "architectures": [EAGLE3_ARCHITECTURE],
+        "architectures": [VLLM_ARCHITECTURE if cfg.carries_normed() else EAGLE3_ARCHITECTURE],
         "model_type": "llama",
         "hidden_size": cfg.hidden_size,
         "target_hidden_size": cfg.hidden_size,
@@ -157,11 +166,15 @@ def eagle3_config(cfg: DrafterConfig, dtype: str, max_position_embeddings: int,
     }
     if cfg.norm_before_residual:   # vLLM reads it from this config too; SGLang has no such switch
         config["norm_before_residual"] = True
-    for key in ("fc_norm", "norm_output"):   # EAGLE-3.1: vLLM and speculators read them here (absent: off)
-        if getattr(cfg, key):
-            config[key] = True
+    if cfg.fc_norm:   # EAGLE-3.1: vLLM and speculators read it here (absent: off)
+        config["fc_norm"] = True
+    if cfg.carries_normed():   # SpecForge's norm_output true is standard EAGLE-3: no key
+        config["norm_output"] = True
     if aux_layers is not None:
         config["eagle_config"] = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(aux_layers)}
+        # vLLM's own key, which it reads first: the ids are inputs of layer i (`kvshot import` reads this
+        # count from it; without it, eagle_config ids under LlamaForCausalLMEagle3 are SGLang's count)
+        config["eagle_aux_hidden_state_layer_ids"] = list(aux_layers)
     return config
 
 

@@ -1,21 +1,19 @@
-"""Published EAGLE-3 heads into kvshot: the two layouts Qwen3-8B heads ship in.
+"""Published EAGLE-3 heads into kvshot, in every layout family they ship in (`kvshot.head_config`
+reads the config.json, this module the tensors; docs/published-heads.md has the table):
 
-  eagle3       SpecForge's / SGLang's `LlamaForCausalLMEagle3` (AngelSlim/Qwen3-8B_eagle3): a flat
-               Llama config with `draft_vocab_size`, optional `eagle_config`, tensors `midlayer.*`,
-               `fc`, `norm`, `lm_head`, `d2t` (offsets), `t2d`; safetensors or pytorch_model.bin.
+  eagle3       a flat Llama config with `draft_vocab_size`, optional `eagle_config`, tensors
+               `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` (offsets), `t2d`; safetensors or
+               pytorch_model.bin. Families by `architectures`: SpecForge's LlamaForCausalLMEagle3,
+               vLLM's Eagle3LlamaForCausalLM (AngelSlim), EAGLE's LlamaForCausalLM (traineagle3).
   speculators  vLLM's `speculators` (`Eagle3Speculator`, RedHatAI/Qwen3-8B-speculator.eagle3): the
-               layer's config nested in `transformer_layer_config`, the head's switches at the top
-               (`norm_before_residual`, `eagle_aux_hidden_state_layer_ids`, ...), tensors `layers.0.*`.
+               layer's config nested in `transformer_layer_config`, the head's switches at the top,
+               tensors `layers.0.*`.
 
-The traps, each handled explicitly (docs/published-heads.md):
-  - `norm_before_residual` (speculators; vLLM reads it in both layouts): the first layer's residual
-    is hidden_norm(h) instead of h. kvshot's DrafterConfig field of that name does the same.
-  - aux layer ids: kvshot's `features.aux_layers` index HF `hidden_states` (0: the embeddings).
-    vLLM and speculators capture the INPUT of decoder layer i, i.e. hidden_states[i] (the same
-    numbers); SGLang captures the output of layer i, hidden_states[i + 1] (`aux_convention: sglang`).
-    No ids: EAGLE-3's default (2, L//2, L-3) in hidden_states indices, both engines' default.
-  - d2t: offsets (target = draft + d2t[draft]) in both layouts; t2d must mark exactly their targets.
-Any config field or tensor this module does not know is refused in one line naming the file and
+The traps, each handled explicitly: aux layer ids (vLLM counts layer inputs, SGLang outputs),
+norm_output (SpecForge: the head's norm only; vLLM: the carried state too), a missing
+norm_before_residual (vLLM's speculators reader: true), d2t offsets (t2d must mark exactly their
+targets), and an embedding of the head's own (kept, saved with the drafter, when it differs from
+the target's). Any config field or tensor not known is refused in one line naming the file and
 the field: a head that silently loads with a switch ignored drafts badly without any error.
 """
 from __future__ import annotations
@@ -29,11 +27,12 @@ from torch import Tensor
 from .drafters import DrafterConfig, build_drafter
 from .drafters.hidden import HiddenDrafter
 from .export import EAGLE3_NAMES, FC_NORM_NAMES, FormatError, read_eagle3, target_config, target_embedding
+from .head_config import AUX_CONVENTIONS, NORM_OUTPUT_CONVENTIONS, layout_of, read_head_config
 from .io import read_json
 from .taps import eagle3_aux_layers
 
 LAYOUTS = ("eagle3", "speculators")
-AUX_CONVENTIONS = ("vllm", "sglang")
+detect_layout = layout_of
 
 # kvshot HiddenDrafter parameter -> speculators tensor (Eagle3DraftModel, one layer)
 SPECULATORS_NAMES = {ours: theirs.replace("midlayer.", "layers.0.") for ours, theirs in EAGLE3_NAMES.items()}
@@ -41,29 +40,6 @@ QK_NORM_NAMES = {"layers.0.self_attn.q_norm.weight": "layers.0.self_attn.q_norm.
                  "layers.0.self_attn.k_norm.weight": "layers.0.self_attn.k_norm.weight"}
 # the verifier's own final norm and LM head, which speculators may keep beside the head: not the head's
 VERIFIER_TENSORS = {"verifier_norm.weight", "verifier_lm_head.weight"}
-
-# Llama/Qwen3 config keys that do not change the head's computation (metadata, training, serving)
-INERT = {"architectures", "model_type", "_name_or_path", "auto_map", "torch_dtype", "dtype", "transformers_version",
-         "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache", "pretraining_tp",
-         "attention_dropout", "max_position_embeddings", "max_window_layers", "layer_types", "output_hidden_states",
-         "output_attentions", "return_dict", "use_return_dict", "tie_word_embeddings", "sliding_window",
-         "use_sliding_window", "has_no_defaults_at_init", "modules_to_not_convert", "chunk_size_feed_forward",
-         "is_encoder_decoder", "id2label", "label2id", "problem_type", "tokenizer_class", "quantization_config"}
-# keys read (and checked) into the DrafterConfig
-LAYER_KEYS = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
-              "attention_bias", "mlp_bias", "vocab_size"}
-EAGLE3_HEAD_KEYS = {"draft_vocab_size", "target_hidden_size", "eagle_config", "norm_before_residual", "fc_norm",
-                    "norm_output"}
-SPECULATORS_TOP_KEYS = {"speculators_model_type", "speculators_version", "speculators_config",
-                        "transformer_layer_config", "draft_vocab_size", "norm_before_residual", "target_hidden_size",
-                        "eagle_aux_hidden_state_layer_ids", "norm_before_fc", "fc_norm", "norm_output",
-                        "embed_requires_grad"}
-# speculators switches kvshot does not import: a head with one on is refused (kvshot's drafter has
-# norm_before_fc, but its tensor's name in the engines is unchecked; EAGLE-3.1's fc_norm and
-# norm_output are read: `switches`)
-UNSUPPORTED_SWITCHES = ("norm_before_fc",)
-SWITCHES = ("fc_norm", "norm_output")   # EAGLE-3.1 (arXiv 2605.09992), top-level keys in both layouts
 
 
 # ---------------------------------------------------------------- aux layers
@@ -84,105 +60,11 @@ def eagle_aux_ids(hf_layers: list[int], convention: str) -> list[int]:
     return [int(i) - (1 if convention == "sglang" else 0) for i in hf_layers]
 
 
-# ---------------------------------------------------------------- configs
-
-def detect_layout(config: dict) -> str:
-    return "speculators" if "speculators_model_type" in config or "transformer_layer_config" in config else "eagle3"
-
-
-def _refuse_unknown(config: dict, known: set, where: str) -> None:
-    unknown = sorted(set(config) - known - INERT)
-    if unknown:
-        raise FormatError(f"{where}: field {unknown[0]!r} is not one kvshot knows how to honour "
-                          f"(unknown: {unknown}); refusing rather than ignoring it")
-
-
-def switches(config: dict, where: str) -> dict:
-    """A head's EAGLE-3.1 switches (absent: off), each a boolean."""
-    out = {}
-    for key in SWITCHES:
-        value = config.get(key, False)
-        if not isinstance(value, bool):
-            raise FormatError(f"{where}: field {key!r} {value!r}: expected true or false")
-        out[key] = value
-    return out
-
-
-def _layer_config(c: dict, where: str, vocab_size: int, draft_vocab_size: int, qk_norm: bool,
-                  norm_before_residual: bool, **switched) -> DrafterConfig:
-    """A DrafterConfig from a Llama/Qwen3 layer config, every field that changes the math checked."""
-    if c.get("num_hidden_layers", 1) != 1:
-        raise FormatError(f"{where}: field 'num_hidden_layers' {c['num_hidden_layers']}: kvshot imports one-layer heads")
-    if c.get("hidden_act", "silu") != "silu":
-        raise FormatError(f"{where}: field 'hidden_act' {c['hidden_act']!r}: kvshot's MLP is SwiGLU (silu)")
-    for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
-        if c.get(key):
-            raise FormatError(f"{where}: field {key!r} true: kvshot's layer has no biases and no sliding window")
-    if c.get("tie_word_embeddings"):
-        raise FormatError(f"{where}: field 'tie_word_embeddings' true: an EAGLE-3 head has its own draft lm_head")
-    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise FormatError(f"{where}: field 'rope_scaling' type {rope.get('rope_type', rope.get('type'))!r}: "
-                          "kvshot implements default RoPE")
-    theta = c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    h, heads = c["hidden_size"], c["num_attention_heads"]
-    return DrafterConfig(
-        paradigm="hidden", hidden_size=h, num_layers=1, num_attention_heads=heads,
-        num_key_value_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or h // heads,
-        intermediate_size=c["intermediate_size"], vocab_size=vocab_size, draft_vocab_size=draft_vocab_size,
-        rope_theta=float(theta), rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), qk_norm=qk_norm,
-        norm_before_residual=bool(norm_before_residual), **switched)
-
-
-def _check_width(top: dict, h: int, where: str) -> None:
-    if top.get("target_hidden_size") not in (None, h):
-        raise FormatError(f"{where}: field 'target_hidden_size' {top['target_hidden_size']} differs from hidden_size "
-                          f"{h}: kvshot's drafter shares the target's width")
-
-
-def read_head_config(config: dict, where: str) -> tuple[str, DrafterConfig, dict]:
-    """(layout, DrafterConfig, meta) of a head's config.json; meta: aux ids as written, their
-    convention, the verifier named by the head (speculators), the proposal length it ships with."""
-    layout = detect_layout(config)
-    if layout == "eagle3":
-        arch = config.get("architectures") or []
-        if not any("Eagle3" in a for a in arch):
-            raise FormatError(f"{where}: field 'architectures' {arch}: not an EAGLE-3 head (want LlamaForCausalLMEagle3)")
-        if config.get("model_type", "llama") != "llama":
-            raise FormatError(f"{where}: field 'model_type' {config['model_type']!r}: the eagle3 layout is a Llama layer")
-        _refuse_unknown(config, LAYER_KEYS | EAGLE3_HEAD_KEYS, where)
-        eagle = config.get("eagle_config") or {}
-        _refuse_unknown(eagle, {"use_aux_hidden_state", "eagle_aux_hidden_state_layer_ids"}, f"{where} eagle_config")
-        if eagle.get("use_aux_hidden_state") is False:
-            raise FormatError(f"{where}: field 'eagle_config.use_aux_hidden_state' false: an EAGLE-1/2 head, not EAGLE-3")
-        _check_width(config, config["hidden_size"], where)
-        vocab = config["vocab_size"]
-        cfg = _layer_config(config, where, vocab, config.get("draft_vocab_size") or vocab, False,
-                            config.get("norm_before_residual", False), **switches(config, where))
-        return layout, cfg, {"aux_ids": eagle.get("eagle_aux_hidden_state_layer_ids"), "verifier": None,
-                             "speculative_tokens": None}
-    if config.get("speculators_model_type") != "eagle3":
-        raise FormatError(f"{where}: field 'speculators_model_type' {config.get('speculators_model_type')!r}: "
-                          "kvshot imports eagle3 speculators only")
-    _refuse_unknown(config, SPECULATORS_TOP_KEYS, where)
-    for key in UNSUPPORTED_SWITCHES:
-        if config.get(key):
-            raise FormatError(f"{where}: field {key!r} true: kvshot's hidden drafter does not implement it")
-    layer = config.get("transformer_layer_config") or {}
-    lwhere = f"{where} transformer_layer_config"
-    if layer.get("model_type", "qwen3") not in ("llama", "qwen3"):   # speculators' default layer is Qwen3's
-        raise FormatError(f"{lwhere}: field 'model_type' {layer['model_type']!r}: kvshot implements llama and qwen3 layers")
-    _refuse_unknown(layer, LAYER_KEYS, lwhere)
-    _check_width(config, layer["hidden_size"], where)
-    vocab = layer["vocab_size"]
-    cfg = _layer_config(layer, lwhere, vocab, config.get("draft_vocab_size") or vocab,
-                        layer.get("model_type", "qwen3") == "qwen3", config.get("norm_before_residual", False),
-                        **switches(config, where))
-    spec = config.get("speculators_config") or {}
-    verifier = (spec.get("verifier") or {}).get("name_or_path")
-    methods = spec.get("proposal_methods") or [{}]
-    return layout, cfg, {"aux_ids": config.get("eagle_aux_hidden_state_layer_ids"), "verifier": verifier,
-                         "speculative_tokens": methods[0].get("speculative_tokens")}
+def aux_layers_of(meta: dict, num_layers: int) -> list[int]:
+    """The hidden_states indices a head fuses, from its resolved config."""
+    if meta["aux_ids"] is None:
+        return list(eagle3_aux_layers(num_layers))
+    return hf_aux_layers(meta["aux_ids"], meta["resolved"]["aux_convention"]["value"])
 
 
 # ---------------------------------------------------------------- tensors
@@ -190,7 +72,8 @@ def read_head_config(config: dict, where: str) -> tuple[str, DrafterConfig, dict
 def head_from_tensors(cfg: DrafterConfig, layout: str, tensors: dict[str, Tensor], embed: Tensor | None,
                       where: str) -> HiddenDrafter:
     """A kvshot HiddenDrafter with the head's weights; `embed`: the target's embedding unless the
-    head carries its own `embed_tokens.weight`, which then wins (as in the engines that load it)."""
+    head carries its own `embed_tokens.weight`, which then wins (as in the engines that load it:
+    vLLM's Eagle3 load_weights keeps a checkpoint's embed_tokens)."""
     tensors = {k.removeprefix("model."): v for k, v in tensors.items()}   # some heads prefix every name
     names = dict(EAGLE3_NAMES if layout == "eagle3" else SPECULATORS_NAMES)
     if cfg.qk_norm:
@@ -205,6 +88,10 @@ def head_from_tensors(cfg: DrafterConfig, layout: str, tensors: dict[str, Tensor
     missing = sorted(set(names.values()) - set(tensors))
     if missing:
         raise FormatError(f"{where}: tensors {missing} missing (a {layout} head has {sorted(names.values())})")
+    fc = tuple(tensors["fc.weight"].shape)
+    if fc != (cfg.hidden_size, cfg.num_aux * cfg.hidden_size):
+        raise FormatError(f"{where}: tensor 'fc.weight' {list(fc)}: an EAGLE-3 head fuses {cfg.num_aux} target "
+                          f"states, [{cfg.hidden_size}, {cfg.num_aux * cfg.hidden_size}] (EAGLE-1/2 reads 2H)")
     if "d2t" in tensors:
         d2t = tensors["d2t"].long() + torch.arange(len(tensors["d2t"]))   # offsets -> target ids
     elif cfg.draft_vocab_size == cfg.vocab_size:
@@ -229,49 +116,72 @@ def head_from_tensors(cfg: DrafterConfig, layout: str, tensors: dict[str, Tensor
     return model.eval()
 
 
+def own_embedding(tensors: dict[str, Tensor], meta: dict, target: Tensor, where: str) -> tuple[bool, dict]:
+    """Whether the head runs on an embedding of its own: one it carries that differs from the target's.
+    A speculators head that trained its embedding (`embed_requires_grad: true`) must carry it."""
+    theirs = tensors.get("embed_tokens.weight", tensors.get("model.embed_tokens.weight"))
+    trained = meta.get("embed_requires_grad")
+    if theirs is None:
+        if trained:
+            raise FormatError(f"{where}/config.json: field 'embed_requires_grad' true: the head trained its own "
+                              "embedding, but its weights hold no embed_tokens.weight; refusing to run it on the "
+                              "target's")
+        return False, {"value": "target", "rule": "the weights hold no embed_tokens.weight: the target's"}
+    same = tuple(theirs.shape) == tuple(target.shape) and torch.equal(theirs.float(), target.float())
+    how = "equal to the target's" if same else "differs from the target's: kept, saved with the drafter"
+    return not same, {"value": "target" if same else "own", "rule": f"embed_tokens.weight {how}",
+                      "embed_requires_grad": trained}
+
+
 def import_head(ckpt_dir: str | Path, target_dir: str | Path, out_dir: str | Path, layout: str = "auto",
-                aux_convention: str | None = None, extra_files: dict | None = None) -> dict:
-    """Read a published head (either layout) into a kvshot drafter folder. import.json records the
-    layout, the switches honoured and the aux layers as HF hidden_states indices (`aux_layers`)."""
+                aux_convention: str | None = None, extra_files: dict | None = None,
+                overrides: dict | None = None) -> dict:
+    """Read a published head (any layout family, `kvshot.head_config`) into a kvshot drafter folder.
+    import.json records the layout and family, how each engine-ambiguous field was resolved
+    (`resolved`), the keys accepted without effect (`inert`) and the aux layers as HF
+    hidden_states indices (`aux_layers`). `overrides`: aux_convention, norm_output_convention,
+    norm_before_residual (the import CLI's flags)."""
     config, tensors = read_eagle3(ckpt_dir)
     where = f"{ckpt_dir}/config.json"
-    found, cfg, meta = read_head_config(config, where)
+    over = {**(overrides or {}), **({"aux_convention": aux_convention} if aux_convention else {})}
+    found, cfg, meta = read_head_config(config, where, over)
     if layout not in ("auto", found):
         raise FormatError(f"{where}: a {found}-layout head, not {layout} (use --format {found})")
     tc = target_config(target_dir)
     for key, ours in (("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size)):
         if tc.get(key) != ours:
             raise FormatError(f"{where}: field {key!r} {ours} is not the target's {tc.get(key)} ({target_dir})")
-    convention = aux_convention or "vllm"
-    if meta["aux_ids"] is not None:
-        aux = hf_aux_layers(meta["aux_ids"], convention)
-    else:   # EAGLE-3's default, the same hidden_states in SGLang and vLLM
-        aux = list(eagle3_aux_layers(tc["num_hidden_layers"]))
+    aux = aux_layers_of(meta, tc["num_hidden_layers"])
     if len(set(aux)) != 3 or not all(0 < a <= tc["num_hidden_layers"] for a in aux):
         raise FormatError(f"{where}: aux layers {aux} (hidden_states indices) are not three distinct layers of the "
                           f"{tc['num_hidden_layers']}-layer target")
-    embed = None if "embed_tokens.weight" in tensors else target_embedding(target_dir)
-    model = head_from_tensors(cfg, found, tensors, embed, str(ckpt_dir))
-    source = {"imported_from": str(ckpt_dir), "format": found, "aux_layers": aux, "aux_ids": meta["aux_ids"],
-              "aux_convention": convention if meta["aux_ids"] is not None else "eagle3-default",
+    target_embed = target_embedding(target_dir)
+    own, embedding = own_embedding(tensors, meta, target_embed, str(ckpt_dir))
+    cfg.own_embedding = own
+    if not own:   # a copy of the target's: the folder shares it, as every kvshot drafter does
+        tensors = {k: v for k, v in tensors.items() if k.removeprefix("model.") != "embed_tokens.weight"}
+    model = head_from_tensors(cfg, found, tensors, target_embed, str(ckpt_dir))
+    resolved = {**meta["resolved"], "embedding": embedding}
+    source = {"imported_from": str(ckpt_dir), "format": found, "family": meta["family"], "aux_layers": aux,
+              "aux_ids": meta["aux_ids"], "aux_convention": resolved["aux_convention"]["value"],
               "norm_before_residual": cfg.norm_before_residual, "qk_norm": cfg.qk_norm,
               "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output,
-              "verifier": meta["verifier"], "speculative_tokens": meta["speculative_tokens"],
-              "own_embedding": "embed_tokens.weight" in tensors}
+              "norm_output_convention": cfg.norm_output_convention, "resolved": resolved, "inert": meta["inert"],
+              "verifier": meta["verifier"], "speculative_tokens": meta["speculative_tokens"], "own_embedding": own}
     model.save(out_dir, {"import.json": source, **(extra_files or {})})
     return {"out": str(out_dir), **source, "draft_vocab_size": cfg.draft_vocab_size}
 
 
-def head_aux_layers(ckpt_dir: str | Path, num_layers: int, aux_convention: str | None = None) -> list[int]:
+def head_aux_layers(ckpt_dir: str | Path, num_layers: int, aux_convention: str | None = None,
+                    overrides: dict | None = None) -> list[int]:
     """The hidden_states indices a head fuses, from its config alone (for checking the features)."""
     where = f"{ckpt_dir}/config.json"
     path = Path(ckpt_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{where}: missing (not an EAGLE-3 head folder)")
-    _, _, meta = read_head_config(json.loads(path.read_text()), where)
-    if meta["aux_ids"] is None:
-        return list(eagle3_aux_layers(num_layers))
-    return hf_aux_layers(meta["aux_ids"], aux_convention or "vllm")
+    over = {**(overrides or {}), **({"aux_convention": aux_convention} if aux_convention else {})}
+    _, _, meta = read_head_config(json.loads(path.read_text()), where, over)
+    return aux_layers_of(meta, num_layers)
 
 
 # ---------------------------------------------------------------- the published-head target
@@ -329,10 +239,11 @@ def drafter_from_eagle3(config: dict, tensors: dict[str, Tensor], embed: Tensor 
 
 
 def import_eagle3(ckpt_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
-                  extra_files: dict | None = None, layout: str = "auto", aux_convention: str | None = None) -> dict:
+                  extra_files: dict | None = None, layout: str = "auto", aux_convention: str | None = None,
+                  overrides: dict | None = None) -> dict:
     """Read an EAGLE-3 head folder (SpecForge/SGLang's eagle3 layout or vLLM's speculators
     layout, `kvshot.published`) into a kvshot drafter folder (`load_drafter` reads it)."""
-    return import_head(ckpt_dir, target_dir, out_dir, layout, aux_convention, extra_files)
+    return import_head(ckpt_dir, target_dir, out_dir, layout, aux_convention, extra_files, overrides)
 
 
 def import_variant(cfg: dict, name: str, target_dir: str, features_dir: str, out_dir: str) -> dict:
@@ -349,7 +260,8 @@ def import_variant(cfg: dict, name: str, target_dir: str, features_dir: str, out
     index = Path(features_dir) / "index.json"
     held = read_json(index)["spec"]["aux_layers"] if index.is_file() else None
     weights = resolve_weights(v["weights"])   # a path, or hub:REPO@REVISION from the HF cache
-    aux = head_aux_layers(weights, target_config(target_dir)["num_hidden_layers"], v.get("aux_convention"))
+    overrides = {k: v[k] for k in ("norm_output_convention", "norm_before_residual") if k in v}
+    aux = head_aux_layers(weights, target_config(target_dir)["num_hidden_layers"], v.get("aux_convention"), overrides)
     if held is not None and list(aux) != list(held):
         raise FormatError(f"{where}.weights: the head fuses target layers {list(aux)} (hidden_states indices), the "
                           f"features hold {list(held)} (set features.aux_layers to match)")
@@ -358,11 +270,11 @@ def import_variant(cfg: dict, name: str, target_dir: str, features_dir: str, out
     # the files a trained drafter's folder has (the report reads them); no training log
     summary = import_eagle3(weights, target_dir, out_dir,
                             {"metrics.json": metrics, "train_log.json": [], "variant.json": v},
-                            layout, v.get("aux_convention"))
+                            layout, v.get("aux_convention"), overrides)
     return {**metrics, "draft_vocab_size": summary["draft_vocab_size"]}
 
 
-__all__ = ["LAYOUTS", "AUX_CONVENTIONS", "hf_aux_layers", "detect_layout", "read_head_config", "head_from_tensors",
+__all__ = ["LAYOUTS", "AUX_CONVENTIONS", "NORM_OUTPUT_CONVENTIONS", "own_embedding", "hf_aux_layers", "detect_layout", "read_head_config", "head_from_tensors",
            "import_head", "head_aux_layers", "eagle_aux_ids", "resolve_weights", "head_variant",
            "head_stage_config", "drafter_from_eagle3", "import_eagle3",
            "import_variant"]
