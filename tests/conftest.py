@@ -44,6 +44,18 @@ def tiny_config() -> dict:
 
 
 @pytest.fixture(scope="session")
+def smoke_workdir(tmp_path_factory):
+    """The session's one working directory for the smoke DAG (config/smoke.yaml; see
+    tests/test_pipeline.py's `workdir`): tests/test_pipeline.py runs `all` and the block-wise and
+    drift targets in it; tests that need some of its outputs from a local run (the SLURM test's
+    comparison, the export rule) ask Snakemake for those targets here, which then runs only what
+    is not yet up to date. Built once per session instead of once per test."""
+    from .test_pipeline import workdir
+
+    return workdir(tmp_path_factory.mktemp("smoke_dag"))
+
+
+@pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """Paths of a tiny data split, tokenizer and target produced by the real stage code."""
     from kvshot.config import runtime

@@ -160,19 +160,23 @@ def snakemake_workdir(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_the_dag_exports_the_eagle3_variant(tmp_path):
-    """`snakemake results/export/eagle3` (smoke scale): trains eagle3 alone and exports it."""
+def test_the_dag_exports_the_eagle3_variant(tmp_path, smoke_workdir):
+    """`snakemake results/export/eagle3` (smoke scale): from scratch it trains eagle3 alone and
+    exports it (dry run); run in the session's smoke DAG directory (conftest.py), it exports the
+    eagle3 drafter trained there, or trains it first when the smoke DAG test has not run yet."""
     import subprocess
 
     wd = snakemake_workdir(tmp_path)
-    run = lambda *a: subprocess.run(["snakemake", *a, "--cores", "2", "--configfile", "config/smoke.yaml"],
-                                    cwd=wd, capture_output=True, text=True, timeout=1200)
-    dry = run("-n", "results/export/eagle3")
+    run = lambda cwd, *a: subprocess.run(["snakemake", *a, "--cores", "2", "--configfile", "config/smoke.yaml"],
+                                         cwd=cwd, capture_output=True, text=True, timeout=1200)
+    dry = run(wd, "-n", "results/export/eagle3")
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert "export_eagle3" in dry.stdout and "kv-d1" not in dry.stdout
-    refused = run("-n", "results/export/kv-d1")                 # KV drafters have no engine format
+    assert re.search(r"^train_drafter\s+1$", dry.stdout, re.M), dry.stdout[-2000:]   # eagle3 seed0 alone
+    refused = run(wd, "-n", "results/export/kv-d1")                 # KV drafters have no engine format
     assert refused.returncode != 0 and "MissingRule" in refused.stderr + refused.stdout, refused.stderr[-2000:]
-    done = run("results/export/eagle3")
+    wd = smoke_workdir
+    done = run(wd, "results/export/eagle3")
     assert done.returncode == 0, done.stderr[-3000:]
     out = wd / "results/export/eagle3"
     config = json.loads((out / "config.json").read_text())

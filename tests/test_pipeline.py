@@ -36,8 +36,8 @@ def dry_run_jobs(cwd: Path, *configfiles: str) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_smoke_dag_end_to_end(tmp_path):
-    wd = workdir(tmp_path)
+def test_smoke_dag_end_to_end(smoke_workdir):
+    wd = smoke_workdir   # shared with the SLURM test's comparison and the export rule's test (conftest.py)
     proc = snakemake(wd, "--cores", "2", "--configfile", "config/smoke.yaml")
     assert proc.returncode == 0, proc.stderr[-3000:]
     stats = json.loads((wd / "results/data/stats.json").read_text())

@@ -29,6 +29,8 @@ from .conftest import REPO
 from .test_envs import CPU_RULES, DEVICE_RULES, rule_envs
 from .test_pipeline import snakemake, workdir
 
+SLURM_SNAKEMAKE = [sys.executable, str(REPO / "tests/slurm_snakemake.py")]   # backoff capped: see there
+
 PROFILE = ("--profile", "profiles/slurm-test")
 PAPER_PROFILE = REPO / "profiles/slurm/config.yaml"
 TRAIN_RULES = {"train_drafter", "scaling_train", "plateau_train", "blockwise_train", "drift_train"}   # DDP: 8 GPUs
@@ -358,13 +360,18 @@ def slurm_run(tmp_path_factory):
     full = read_config([str(REPO / "config/config.yaml"), str(REPO / "config/smoke.yaml")])["drafters"]
     (wd / "sbatch.yaml").write_text(yaml.safe_dump({"drafters": {
         "seeds": [0], "variants": [v for v in full["variants"] if v["name"] in SBATCH_VARIANTS]}}))
-    proc = snakemake(wd, *PROFILE, "--configfile", "config/smoke.yaml", "sbatch.yaml", timeout=1500)
+    proc = slurm_snakemake(wd, *PROFILE, "--configfile", "config/smoke.yaml", "sbatch.yaml", timeout=1500)
     return wd, proc
+
+
+def slurm_snakemake(cwd, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`snakemake` through the test cluster (tests/slurm_snakemake.py: the status checks every 2 s)."""
+    return subprocess.run([*SLURM_SNAKEMAKE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
 @needs_cluster
-def test_smoke_dag_goes_through_sbatch(slurm_run, tmp_path):
+def test_smoke_dag_goes_through_sbatch(slurm_run, smoke_workdir):
     wd, proc = slurm_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     ids = re.findall(r"has been submitted with SLURM jobid (\d+)", proc.stdout + proc.stderr)
@@ -379,8 +386,9 @@ def test_smoke_dag_goes_through_sbatch(slurm_run, tmp_path):
     for name in variants:
         assert json.loads((wd / f"results/eval/{name}/e2e.json").read_text())["lossless"] is True
     assert (wd / "figures/decay.pdf").exists() and (wd / "results/claims.json").exists()
-    # the same outputs as a local run of the same stages
-    local = workdir(tmp_path)
+    # the same outputs as a local run of the same stages: the session's smoke DAG working directory
+    # (tests/test_pipeline.py's run; when that test has not run, these three stages run here)
+    local = smoke_workdir
     done = snakemake(local, "results/target/metrics.json", "--cores", "2", "--configfile", "config/smoke.yaml")
     assert done.returncode == 0, done.stderr[-2000:]
     for path in ("results/data/stats.json", "results/data/train.jsonl", "results/target/metrics.json"):
@@ -399,7 +407,8 @@ def test_scancel_mid_training_then_resubmit_resumes(slurm_run):
                                   "    plateau: null\n    eval_every: 0\n")
     args = ["results/drafters/kv-d1/seed0", *PROFILE, "--configfile", "config/smoke.yaml", "sbatch.yaml", "long.yaml"]
     ckpt = wd / "results/drafters/kv-d1/seed0.ckpt/checkpoint.pt"
-    run = subprocess.Popen(["snakemake", *args], cwd=wd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = subprocess.Popen([*SLURM_SNAKEMAKE, *args], cwd=wd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
     step, deadline = 0, time.time() + 600
     while time.time() < deadline and run.poll() is None:
         if ckpt.exists():
@@ -419,7 +428,7 @@ def test_scancel_mid_training_then_resubmit_resumes(slurm_run):
     assert run.returncode != 0, out[-2000:]
     assert not (wd / "results/drafters/kv-d1/seed0/metrics.json").exists() or \
         json.loads((wd / "results/drafters/kv-d1/seed0/metrics.json").read_text())["steps"] != 400
-    again = snakemake(wd, *args, timeout=900)
+    again = slurm_snakemake(wd, *args, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     metrics = json.loads((wd / "results/drafters/kv-d1/seed0/metrics.json").read_text())
     assert metrics["steps"] == 400 and metrics["resumed_from"] is not None and metrics["resumed_from"] >= 20
