@@ -143,7 +143,7 @@ def smollm2(tmp_path_factory):
     # its input embedding) echoes the input token (TTT loss ~26 per step against ~6 for random)
     cfg["drafters"]["variants"] = [{"name": "kv1", "paradigm": "kv", "layers": 1, "head_init": "random"}]
     cfg["scaling"].update(variants=["kv1"], train_samples=[16, 32])
-    cfg["drafters"]["train"].update({"max_steps": 6, "ckpt_every": 100, "batch_size": 2, "max_len": 96,
+    cfg["drafters"]["train"].update({"max_steps": 6, "ckpt_every": 100, "log_every": 1, "batch_size": 2, "max_len": 96,
                                      "eval_batches": 1, "eval_every": 0, "plateau": None, "lr": 1e-2,
                                      "warmup_steps": 1})
     validate_config(cfg, ["<smollm2 test>"])
