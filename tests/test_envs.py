@@ -17,11 +17,12 @@ from .conftest import REPO
 
 # the rules whose jobs load the target or a drafter: GPU jobs at paper scale
 DEVICE_RULES = {"target", "capture_features", "target_continuations", "train_drafter", "eval_stepwise",
+                "eval_stepwise_shared",
                 "eval_e2e", "e2e_timing", "scaling_train", "scaling_stepwise", "regenerate_data", "blockwise_train",
                 "blockwise_stepwise", "blockwise_e2e", "plateau_train", "plateau_stepwise", "plateau_e2e",
                 "plateau_e2e_timing", "published_stepwise", "published_e2e", "published_benchmarks", "eval_benchmarks", "drift_train",
                 "drift_stepwise", "drift_e2e"}
-OPTIONAL_RULES = {"regenerate_data", "export_eagle3", "blockwise_train", "blockwise_stepwise", "blockwise_e2e",
+OPTIONAL_RULES = {"regenerate_data", "export_eagle3", "eval_stepwise_shared", "blockwise_train", "blockwise_stepwise", "blockwise_e2e",
                   "blockwise_report", "plateau_train", "plateau_stepwise", "plateau_e2e", "plateau_e2e_timing",
                   "plateau_report", "import_published", "published_stepwise", "published_e2e",
                   "published_benchmarks", "published_table", "drift_train", "drift_stepwise", "drift_e2e", "drift_report"}   # not behind `all`: asked for by config or by target

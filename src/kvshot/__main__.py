@@ -275,13 +275,16 @@ def parser() -> argparse.ArgumentParser:
         for name in names:
             if name in ("drafter", "reference", "hybrid"):   # one variant's drafters, one per training seed
                 s.add_argument(f"--{name}", required=True, nargs="+", help=PATH_HELP[name])
+            elif stage == "eval-stepwise" and name == "out":   # several: one per variant, one target pass
+                s.add_argument("--out", required=True, nargs="+", help=PATH_HELP[name] + " (several: one per "
+                               "variant, in the order of the drafters' variants, scored in one target pass)")
             else:
                 s.add_argument(f"--{name}", required=True, help=PATH_HELP[name])
         if stage == "prepare-data":
             s.add_argument("--train-samples", type=int, default=None,
                            help="override data.train_samples (scaling sweeps)")
         if stage in ("target-continuations", "eval-stepwise"):   # the natural-text protocol (optional)
-            s.add_argument("--natural-out", default=None, help="natural protocol: where to write the target's "
+            s.add_argument("--natural-out", default=None, nargs="+" if stage == "eval-stepwise" else None, help="natural protocol: where to write the target's "
                            "rollouts (target-continuations) or their step-wise results (eval-stepwise)")
         if stage == "report":
             s.add_argument("--benchmarks", action="store_true", help="also results/tables/benchmarks.* and "

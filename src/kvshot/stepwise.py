@@ -185,55 +185,90 @@ def item_rows(item: dict, steps: int) -> list[int]:
     return list(chain_rows(len(item["prompt"]), length, steps))
 
 
+Results = tuple[Tensor, Tensor, Tensor]   # an item's chain anchors, chain-correct [N, K], teacher-forced-correct [N, K]
+
+
+def greedy_at(last_hidden: Tensor, head: Tensor, rows_of: list[list[int]], steps: int) -> Tensor:
+    """The target's greedy token after each position the chains are scored on (anchor + 1 ..
+    anchor + K of every item; -1 elsewhere): the vocabulary projection only where it is read
+    (index lists, not a mask: the shapes stay static for the fake-tensor meter)."""
+    where = sorted({(b, t + k) for b, rows in enumerate(rows_of) for t in rows for k in range(1, steps + 1)})
+    greedy = torch.full(last_hidden.shape[:2], -1, dtype=torch.long, device=last_hidden.device)
+    if where:
+        bs, ts = (torch.tensor(x, device=last_hidden.device) for x in zip(*where))
+        greedy[bs, ts] = (last_hidden[bs, ts] @ head.T).argmax(-1)
+    return greedy
+
+
 @torch.no_grad()
-def chain_correct(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
-                  batch_size: int, device: str, dtype: str = "float32") -> Iterator[tuple[Tensor, Tensor, Tensor]]:
-    """Per sequence: the chain anchors (`item_rows`), and for each anchor and step whether the
-    drafter's token equals the target's greedy token, drafting on its own outputs (chain) and
-    teacher-forced. Batched over anchors and sequences: no loop per position. The drafter runs
-    in the runtime `dtype`'s precision (`drafter_autocast`), as in training; results on the CPU."""
+def drafter_results(drafter: Drafter, feats: dict, greedy: Tensor, rows_of: list[Tensor], only: Tensor | None,
+                    steps: int, device: str, dtype: str) -> list[Results]:
+    """One drafter on one batch of target context: per item, `Results` (see chain_correct)."""
     drafter.eval()
-    kv_layers = tuple(drafter.cfg.kv_layers)
+    ids = feats["input_ids"]
+    with drafter_autocast(device, dtype):   # a block drafter: block position k is step k (`blockwise`)
+        chain = any_unroll(drafter, feats, steps, own_tokens=True, anchor_rows=only)
+        # a block never reads its own drafts: its chain is its teacher-forced block
+        forced = chain if is_block(drafter) else any_unroll(drafter, feats, steps, anchor_rows=only)
+
+    def pick(out, k: int, b: int, at: Tensor) -> Tensor:
+        """Step k's logits at anchors `at` of sequence b (packed: found among the drafted rows)."""
+        packed = out.rows[k] if out.rows else None
+        if out.shared_logits:   # a causal LM's step k at anchor t is its step 0 at t + k
+            return out.logits[0][b, at + k]
+        if packed is None:
+            return out.logits[k][b, at]
+        return out.logits[k][0, torch.searchsorted(packed, b * ids.shape[1] + at)]
+
+    out = []
+    for b, rows in enumerate(rows_of):
+        at = rows.to(ids.device)
+        want = torch.stack([greedy[b, at + k + 1] for k in range(steps)], dim=1)
+        drafted = torch.stack([drafter.d2t[pick(chain, k, b, at).argmax(-1)] for k in range(steps)], dim=1)
+        tf = torch.stack([drafter.d2t[pick(forced, k, b, at).argmax(-1)] for k in range(steps)], dim=1)
+        out.append((rows, (drafted == want).cpu(), (tf == want).cpu()))
+    return out
+
+
+@torch.no_grad()
+def chain_correct_many(drafters: list[Drafter], target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
+                       batch_size: int, device: str, dtype: str = "float32") -> Iterator[list[Results]]:
+    """`chain_correct` for several drafters on the same items, one target forward per batch for
+    all of them (the target is most of the cost): per item, one `Results` per drafter."""
+    kv_layers = tuple(sorted({l for d in drafters for l in d.cfg.kv_layers}))
     head = target.lm_head.weight
     for i in progress(range(0, len(items), batch_size), desc="stepwise", unit="batch"):
         group = items[i: i + batch_size]
         seqs = [torch.tensor(it["prompt"] + it["continuation"]) for it in group]
         batch = pad_batch([{"input_ids": s, "loss_mask": torch.ones_like(s, dtype=torch.uint8)} for s in seqs])
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-        ctx = target_forward(target, ids, mask, aux_layers, kv_layers)
-        greedy = (ctx.last_hidden @ head.T).argmax(-1)                           # target's token after t
-        feats = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask, "aux_hidden": ctx.aux_hidden}
-        for l in kv_layers:
-            feats[f"key_{l}"], feats[f"value_{l}"] = ctx.keys[l], ctx.values[l]
-        rows_of = [torch.tensor(item_rows(it, steps), dtype=torch.long) for it in group]
+        rows = [item_rows(it, steps) for it in group]
+        rows_of = [torch.tensor(r, dtype=torch.long) for r in rows]
         only = None   # items with their own anchors (natural protocol): draft from those rows alone
         if all("anchors" in it for it in group):
             width = ids.shape[1]
             only = torch.cat([b * width + r for b, r in enumerate(rows_of)]).to(ids.device)
             if only.numel() == 0:   # every rollout ended before K tokens
-                yield from ((r, torch.zeros(0, steps, dtype=torch.bool), torch.zeros(0, steps, dtype=torch.bool))
-                            for r in rows_of)
+                empty = torch.zeros(0, steps, dtype=torch.bool)
+                yield from ([(r, empty, empty)] * len(drafters) for r in rows_of)
                 continue
-        with drafter_autocast(device, dtype):   # a block drafter: block position k is step k (`blockwise`)
-            chain = any_unroll(drafter, feats, steps, own_tokens=True, anchor_rows=only)
-            # a block never reads its own drafts: its chain is its teacher-forced block
-            forced = chain if is_block(drafter) else any_unroll(drafter, feats, steps, anchor_rows=only)
+        ctx = target_forward(target, ids, mask, aux_layers, kv_layers)
+        greedy = greedy_at(ctx.last_hidden, head, rows, steps)                 # target's token after t
+        feats = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask, "aux_hidden": ctx.aux_hidden}
+        for l in kv_layers:
+            feats[f"key_{l}"], feats[f"value_{l}"] = ctx.keys[l], ctx.values[l]
+        per_drafter = [drafter_results(d, feats, greedy, rows_of, only, steps, device, dtype) for d in drafters]
+        yield from (list(r) for r in zip(*per_drafter))
 
-        def pick(out, k: int, b: int, at: Tensor) -> Tensor:
-            """Step k's logits at anchors `at` of sequence b (packed: found among the drafted rows)."""
-            packed = out.rows[k] if out.rows else None
-            if out.shared_logits:   # a causal LM's step k at anchor t is its step 0 at t + k
-                return out.logits[0][b, at + k]
-            if packed is None:
-                return out.logits[k][b, at]
-            return out.logits[k][0, torch.searchsorted(packed, b * ids.shape[1] + at)]
 
-        for b, rows in enumerate(rows_of):
-            at = rows.to(ids.device)
-            want = torch.stack([greedy[b, at + k + 1] for k in range(steps)], dim=1)
-            drafted = torch.stack([drafter.d2t[pick(chain, k, b, at).argmax(-1)] for k in range(steps)], dim=1)
-            tf = torch.stack([drafter.d2t[pick(forced, k, b, at).argmax(-1)] for k in range(steps)], dim=1)
-            yield rows, (drafted == want).cpu(), (tf == want).cpu()
+def chain_correct(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
+                  batch_size: int, device: str, dtype: str = "float32") -> Iterator[Results]:
+    """Per sequence: the chain anchors (`item_rows`), and for each anchor and step whether the
+    drafter's token equals the target's greedy token, drafting on its own outputs (chain) and
+    teacher-forced. Batched over anchors and sequences: no loop per position. The drafter runs
+    in the runtime `dtype`'s precision (`drafter_autocast`), as in training; results on the CPU."""
+    for results in chain_correct_many([drafter], target, items, aux_layers, steps, batch_size, device, dtype):
+        yield results[0]
 
 
 DEFAULT_CONTEXT_BUCKETS = [128, 256, 512]   # prefix-token edges of alpha_k by context length (eval.context_buckets)
@@ -262,31 +297,40 @@ def by_context(contexts: Tensor, correct: Tensor, edges: list[int], level: float
     return out
 
 
+def chain_tallies(drafters: list[Drafter], target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
+                  batch_size: int, device: str, dtype: str = "float32") -> list[dict]:
+    """Exact greedy chain drafting from every anchor of the items, for each drafter (one target
+    forward per batch for all): per-sequence counts (items of one `conversation` are one
+    sequence), each anchor's context length and chain, and the teacher-forced tallies. The raw
+    material of `summarize_tally`; tallies of several drafters (seeds) on the same items add up
+    sequence by sequence."""
+    tallies = [{"groups": {}, "contexts": [], "chains": [], "tf_correct": torch.zeros(steps), "tf_total": 0,
+                "keys": []} for _ in drafters]
+    results = chain_correct_many(drafters, target, items, aux_layers, steps, batch_size, device, dtype)
+    for i, (it, per_drafter) in enumerate(zip(items, results)):
+        key = it.get("conversation", f"item {i}")
+        for tally, (rows, chain_ok, forced_ok) in zip(tallies, per_drafter):
+            if len(rows) == 0:
+                continue
+            r, a = chain_counts(chain_ok)
+            prev = tally["groups"].get(key)
+            tally["groups"][key] = (r, a) if prev is None else (prev[0] + r, prev[1] + a)
+            tally["keys"] += [(key, int(t)) for t in rows.tolist()]
+            tally["contexts"].append(rows + 1)
+            tally["chains"].append(chain_ok)
+            tally["tf_correct"] += forced_ok.sum(0).float()
+            tally["tf_total"] += len(rows)
+    if not tallies[0]["groups"]:
+        raise ValueError(f"no continuation is longer than {steps} tokens: nothing to evaluate")
+    for tally in tallies:
+        tally["contexts"], tally["chains"] = torch.cat(tally["contexts"]), torch.cat(tally["chains"])
+    return tallies
+
+
 def chain_tally(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
                 batch_size: int, device: str, dtype: str = "float32") -> dict:
-    """Exact greedy chain drafting from every anchor of the items: per-sequence counts (items of
-    one `conversation` are one sequence), each anchor's context length and chain, and the
-    teacher-forced tallies. The raw material of `summarize_tally`; tallies of several drafters
-    (seeds) on the same items add up sequence by sequence."""
-    per_group: dict = {}
-    contexts, chains, tf_correct, tf_total, keys = [], [], torch.zeros(steps), 0, []
-    results = chain_correct(drafter, target, items, aux_layers, steps, batch_size, device, dtype)
-    for i, (it, (rows, chain_ok, forced_ok)) in enumerate(zip(items, results)):
-        if len(rows) == 0:
-            continue
-        r, a = chain_counts(chain_ok)
-        key = it.get("conversation", f"item {i}")
-        prev = per_group.get(key)
-        per_group[key] = (r, a) if prev is None else (prev[0] + r, prev[1] + a)
-        keys += [(key, int(t)) for t in rows.tolist()]
-        contexts.append(rows + 1)
-        chains.append(chain_ok)
-        tf_correct += forced_ok.sum(0).float()
-        tf_total += len(rows)
-    if not per_group:
-        raise ValueError(f"no continuation is longer than {steps} tokens: nothing to evaluate")
-    return {"groups": per_group, "contexts": torch.cat(contexts), "chains": torch.cat(chains),
-            "tf_correct": tf_correct, "tf_total": tf_total, "keys": keys}
+    """`chain_tallies` of one drafter."""
+    return chain_tallies([drafter], target, items, aux_layers, steps, batch_size, device, dtype)[0]
 
 
 def anchor_panel(tallies: list[dict], steps: int) -> AnchorPanel:
@@ -380,10 +424,17 @@ def stepwise_seeds(drafters: list[tuple[int, Drafter]], target, items: list[dict
     over seeds (per-sequence counts summed: the seed-averaged drafter, prompt intervals), with
     every seed's own record in `per_seed` and their spread in `across_seeds`."""
     items = order_items(items)
-    tallies, per_seed = [], []
-    for s, drafter in drafters:
-        tally = chain_tally(drafter, target, items, aux_layers, steps, batch_size, device, dtype)
-        tallies.append(tally)
+    tallies = chain_tallies([d for _, d in drafters], target, items, aux_layers, steps, batch_size, device, dtype)
+    return seeds_record([s for s, _ in drafters], tallies, items, steps, bootstrap_samples, seed, min_rounds,
+                        context_buckets)
+
+
+def seeds_record(seeds: list[int | None], tallies: list[dict], items: list[dict], steps: int,
+                 bootstrap_samples: int = 1000, seed: int = 0, min_rounds: int = DEFAULT_MIN_ROUNDS,
+                 context_buckets: list[int] | None = None) -> dict:
+    """`stepwise_seeds`' record from the seeds' tallies (`chain_tallies`, in `order_items` order)."""
+    per_seed = []
+    for s, tally in zip(seeds, tallies):
         own = summarize_tally(tally, items, steps, bootstrap_samples, seed, min_rounds, context_buckets)
         per_seed.append({"seed": s} | {k: own[k] for k in own if k not in ("by_context", "repetition", "acc_note")})
     anchors = anchor_panel(tallies, steps)
@@ -391,7 +442,7 @@ def stepwise_seeds(drafters: list[tuple[int, Drafter]], target, items: list[dict
                              bootstrap_samples, seed, min_rounds, context_buckets, anchors)
     result["pooled"] = (f"{len(per_seed)} training seeds: counts summed per sequence over seeds; intervals "
                         f"with the seeds' variance (resample.py)" if len(per_seed) > 1 else "one training seed")
-    result["anchors_panel"] = panel_record(anchors, [s for s, _ in drafters])
+    result["anchors_panel"] = panel_record(anchors, list(seeds))
     result["per_seed"] = per_seed
     result["across_seeds"] = across_seeds(per_seed)
     return result
@@ -427,44 +478,74 @@ def drafter_variant(drafter_dir: str | Path) -> str:
     return read_json(path)["name"] if path.exists() else Path(drafter_dir).name
 
 
+def variant_groups(drafter_dirs: list[str], outs: list[str]) -> list[list[str]]:
+    """The drafter folders of each output's variant, in the outputs' order: one output takes
+    every folder (one variant's seeds); several group the folders by variant (their parent
+    results/.../<variant>/seed<N>, in order of first appearance)."""
+    if len(outs) == 1:
+        return [list(drafter_dirs)]
+    groups: dict[str, list[str]] = {}
+    for d in drafter_dirs:
+        groups.setdefault(str(Path(d).parent), []).append(d)
+    if len(groups) != len(outs):
+        raise DataError(f"eval-stepwise: {len(outs)} outputs (--out) for the drafters of {len(groups)} variants")
+    return list(groups.values())
+
+
 def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: str, continuations: str,
-                       features_index: str, out_path: str, natural: str | None = None,
-                       natural_out: str | None = None) -> dict:
+                       features_index: str, out_path: str | list[str], natural: str | None = None,
+                       natural_out: str | list[str] | None = None) -> dict:
     """stepwise.json on the continuations for one variant's drafters (one per training seed,
-    pooled with per-seed records); with natural/natural_out also the natural protocol."""
+    pooled with per-seed records); with natural/natural_out also the natural protocol. Several
+    outputs: one per variant, all scored in one pass that runs the target once per batch for
+    every drafter (eval.shared_target_pass)."""
     from .drafters import load_drafter
     from .target import load_target
 
     from .drafters.attention import use_attention
 
-    if bool(natural) != bool(natural_out):
-        raise DataError("eval-stepwise: --natural and --natural-out go together")
+    outs = [out_path] if isinstance(out_path, (str, Path)) else list(out_path)
+    natural_outs = [natural_out] if isinstance(natural_out, (str, Path)) else list(natural_out or [])
+    if bool(natural) != bool(natural_outs) or (natural and len(natural_outs) != len(outs)):
+        raise DataError("eval-stepwise: --natural and --natural-out go together (one --natural-out per --out)")
     steps, rollout = cfg["drafters"]["ttt_steps"], natural_config(cfg["eval"])["rollout_tokens"]
     if natural and rollout < steps:
         raise ConfigError(f"config: eval.natural.rollout_tokens: {rollout} < drafters.ttt_steps {steps} "
                           f"(a chain of K steps needs K rollout tokens; K + 1 is the reference chain)")
     use_attention(cfg["drafters"].get("attention", "auto"))
-    protocols = {"continuations": (read_continuations(continuations)["items"], out_path)}   # fail fast, before loading
+    protocols = {"continuations": (read_continuations(continuations)["items"], outs)}   # fail fast, before loading
     if natural:
-        protocols["natural"] = (read_continuations(natural)["items"], natural_out)
-    target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
+        protocols["natural"] = (read_continuations(natural)["items"], natural_outs)
     drafter_dirs = [drafter_dirs] if isinstance(drafter_dirs, (str, Path)) else list(drafter_dirs)
-    drafters = [(drafter_seed(d), load_drafter(d, rt.device, embed=target.model.embed_tokens.weight))
-                for d in drafter_dirs]
-    drafter = drafters[0][1]
+    groups = variant_groups(drafter_dirs, outs)
+    target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
+    embed = target.model.embed_tokens.weight
+    drafters = [[(drafter_seed(d), load_drafter(d, rt.device, embed=embed)) for d in dirs] for dirs in groups]
     aux = tuple(read_json(features_index)["spec"]["aux_layers"])
     ecfg = cfg["eval"]
-    summary = {}
-    for name, (items, path) in protocols.items():
+    summary: dict = {}
+    for name, (items, paths) in protocols.items():
         start = time.time()
         batch = ecfg["batch_size"] if name == "continuations" else natural_config(ecfg)["batch_size"]
-        result = stepwise_seeds(drafters, target, items, aux, steps, batch, rt.device,
-                                ecfg["bootstrap_samples"], cfg["seed"], rt.dtype, min_rounds=ecfg["min_rounds"],
-                                context_buckets=ecfg.get("context_buckets"))
-        result.update(protocol=name, max_repetition=ecfg.get("max_repetition", MAX_REPETITION),
-                      variant=drafter_variant(drafter_dirs[0]), drafters=[str(d) for d in drafter_dirs], paradigm=drafter.cfg.paradigm, layers=drafter.cfg.num_layers,
-                      seconds=time.time() - start, device=rt.device, threads=rt.threads)
-        write_json(path, result)
-        numbers = {k: result[k] for k in ("alpha", "mat", "retention")} | {"repetition": result["repetition"]["share"]}
-        summary |= numbers if name == "continuations" else {name: numbers}
+        items = order_items(items)
+        flat = [d for variant in drafters for _, d in variant]
+        tallies = iter(chain_tallies(flat, target, items, aux, steps, batch, rt.device, rt.dtype))
+        seconds = time.time() - start
+        for dirs, variant, path in zip(groups, drafters, paths):
+            result = seeds_record([s for s, _ in variant], [next(tallies) for _ in variant], items, steps,
+                                  ecfg["bootstrap_samples"], cfg["seed"], ecfg["min_rounds"], ecfg.get("context_buckets"))
+            first = variant[0][1]
+            result.update(protocol=name, max_repetition=ecfg.get("max_repetition", MAX_REPETITION),
+                          variant=drafter_variant(dirs[0]), drafters=[str(d) for d in dirs],
+                          paradigm=first.cfg.paradigm, layers=first.cfg.num_layers, seconds=seconds,
+                          device=rt.device, threads=rt.threads)
+            if len(groups) > 1:   # the seconds are the shared pass's, every variant's drafting included
+                result["shared_target_pass"] = [drafter_variant(g[0]) for g in groups]
+            write_json(path, result)
+            numbers = {k: result[k] for k in ("alpha", "mat", "retention")} | {"repetition": result["repetition"]["share"]}
+            entry = numbers if name == "continuations" else {name: numbers}
+            if len(groups) > 1:
+                summary.setdefault(result["variant"], {}).update(entry)
+            else:
+                summary |= entry
     return summary

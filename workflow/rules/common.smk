@@ -14,6 +14,10 @@ VARIANTS = [v["name"] for v in config["drafters"]["variants"]]
 # Every variant is trained once per seed (drafter init and data order); evaluation pools them
 # and keeps each seed's record, so the verdicts carry the training variance.
 SEEDS = [int(s) for s in config["drafters"].get("seeds") or [config["seed"]]]
+# eval.shared_target_pass: the core variants' step-wise evaluation is one job (eval_stepwise_shared)
+SHARED_STEPWISE = VARIANTS if config["eval"].get("shared_target_pass") else []
+SOLO_STEPWISE = [v for v in VARIANTS if v not in SHARED_STEPWISE]
+NO_MATCH = "(?!)"   # a wildcard constraint no name matches
 SCALING_SEEDS = [int(s) for s in config["scaling"].get("seeds") or SEEDS[:1]]
 CPU_ENV = "../../envs/cpu.yaml"
 GPU_ENV = "../../envs/gpu.yaml"

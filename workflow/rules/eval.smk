@@ -35,7 +35,7 @@ rule eval_stepwise:
         stepwise="results/eval/{variant}/stepwise.json",
         natural="results/eval/{variant}/stepwise_natural.json",
     wildcard_constraints:
-        variant="|".join(VARIANTS),
+        variant="|".join(SOLO_STEPWISE) or NO_MATCH,   # the rest: eval_stepwise_shared
     params:
         cfg=variant_params("target", "drafters", "eval"),
     log:
@@ -49,6 +49,36 @@ rule eval_stepwise:
         gpu=gpus(),
         mem_mb=4000,
         runtime=60,
+    shell:
+        "python -m kvshot eval-stepwise --config {params.cfg:q} --threads {threads} --drafter {input.drafters}"
+        " --target {input.target} --continuations {input.continuations}"
+        " --features-index {input.features}/index.json --out {output.stepwise}"
+        " --natural {input.natural} --natural-out {output.natural} > {log} 2>&1"
+
+
+rule eval_stepwise_shared:   # eval.shared_target_pass: every core variant in one job, one target forward a batch
+    input:
+        drafters=expand("results/drafters/{variant}/seed{seed}", variant=SHARED_STEPWISE, seed=SEEDS),
+        target="results/target/model",
+        continuations="results/eval/continuations.json",
+        natural="results/eval/natural.json",
+        features="results/features/eval",
+    output:
+        stepwise=expand("results/eval/{variant}/stepwise.json", variant=SHARED_STEPWISE),
+        natural=expand("results/eval/{variant}/stepwise_natural.json", variant=SHARED_STEPWISE),
+    params:
+        cfg=stage_params("target", "drafters", "eval"),
+    log:
+        log_path("eval_stepwise_shared"),
+    benchmark:
+        bench_path("eval_stepwise_shared")
+    conda:
+        DEVICE_ENV
+    threads: 1
+    resources:
+        gpu=gpus(),
+        mem_mb=6000,
+        runtime=240,
     shell:
         "python -m kvshot eval-stepwise --config {params.cfg:q} --threads {threads} --drafter {input.drafters}"
         " --target {input.target} --continuations {input.continuations}"
