@@ -74,6 +74,7 @@ rule eval_stepwise_shared:   # eval.shared_target_pass: every core variant in on
         bench_path("eval_stepwise_shared")
     conda:
         DEVICE_ENV
+    priority: 1   # the longest job: start it before the other evaluations
     threads: 1
     resources:
         gpu=gpus(),

@@ -25,6 +25,7 @@ rule train_drafter:
         bench_path("train_drafter", "_{variant}_seed{seed}")
     conda:
         DEVICE_ENV
+    priority: 1   # before the evaluations of finished variants: with eval.shared_target_pass every drafter gates one job
     threads: train_threads()
     resources:
         gpu=train_gpus(),   # SLURM books these (profiles/slurm); a workstation caps them (--resources gpu=1)
