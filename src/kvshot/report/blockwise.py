@@ -284,7 +284,7 @@ def blockwise_figure(block: list[Variant], chain: list[Variant], path) -> None:
         ax.set_ylim(0, 1)
         ax.legend(fontsize=7, loc="lower left")
     axes[0][0].set_ylabel(r"$\alpha_k$ (conditional acceptance)")
-    fig.suptitle(f"Block-wise vs chain drafting ({judged} protocol; points with fewer rounds than the minimum left out)")
+    fig.suptitle(f"Block-wise vs chain drafting ({judged} protocol; insufficient points, too few anchors or sequences, left out)")
     _save(fig, path)
 
 
