@@ -71,6 +71,15 @@ def test_smoke_dag_end_to_end(smoke_workdir):
         assert natural["rounds"][0] == sum(s["rounds"][0] for s in natural["per_seed"])   # one round per anchor and seed
         for sw in (stepwise, natural):
             assert 0 <= sw["repetition"]["share"] <= 1 and sum(sw["by_context"]["anchors"]) == sw["rounds"][0]
+            # the guards for thin evidence (issue 38): intervals inside [0, 1] and never a point; a rate on
+            # fewer than min_sequences (3) prompts or conversations reads insufficient
+            assert sw["min_sequences"] == 3 and len(sw["distinct_sequences"]) == 7 and "interval_guard" in sw
+            for k, (lo, hi) in enumerate(sw["alpha_ci"] + sw["cumulative_ci"]):
+                assert (lo is None and hi is None) or 0 <= lo < hi <= 1, (name, k, lo, hi)
+            for k, n in enumerate(sw["distinct_sequences"]):
+                assert sw["alpha_sufficient"][k] == (sw["alpha_reason"][k] is None)
+                if n < 3:
+                    assert sw["alpha"][k] is None and sw["alpha_reason"][k].startswith("insufficient")
         if name.startswith("kv") or name == "hybrid":   # measured diagnostics (a batch with a scored row)
             measured = [r for r in log if r.get("kv_own_key_mass") is not None]
             assert measured and all(len(r["kv_own_key_mass_k"]) == 7 and 0 < r["kv_own_key_mass"] < 1 for r in measured)

@@ -10,6 +10,8 @@ Intervals (`chain_summary`): from per-anchor chain lengths (`resample.AnchorPane
 whole sequences once and taking the training seeds' share of the variance from their spread
 (`resample.interval`); the pooled Jeffreys interval of each rate is reported beside it for
 reference. tests/test_coverage.py measures their coverage on synthetic data with a known truth.
+Thin evidence (few anchors, few sequences, resamples that do not vary) reads "insufficient",
+and every interval stays inside its statistic's range (`resample.record_guards`).
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ import torch
 from torch import Tensor
 
 from .beta import beta_quantile
-from .resample import LEVEL, AnchorPanel, intervals, panel
+from .resample import INTERVAL_GUARD, LEVEL, AnchorPanel, intervals, panel, reason_why, record_guards
 
 DEFAULT_MIN_ROUNDS = 30   # below this many rounds alpha_k is "insufficient data" (config eval.min_rounds)
+DEFAULT_MIN_SEQUENCES = 10   # below this many distinct sequences too (eval.min_sequences; docs/statistics.md)
 JEFFREYS_PRIOR = 0.5   # the pooled-count interval shown beside the resampled one
 
 
@@ -77,48 +80,66 @@ def panel_from_counts(reached: Tensor, accepted: Tensor) -> AnchorPanel:
 
 
 def chain_summary(anchors: AnchorPanel, samples: int = 1000, seed: int = 0, min_rounds: int = DEFAULT_MIN_ROUNDS,
-                  level: float = LEVEL) -> dict:
+                  level: float = LEVEL, min_sequences: int = DEFAULT_MIN_SEQUENCES) -> dict:
     """Everything stepwise.json reports from per-anchor chain lengths: counts, rates, cumulative
     acceptance, MAT, retention, intervals (`resample.interval`: sequences resampled, seeds as a
-    variance component) and the minimum-rounds rule, which counts distinct anchors (an anchor
-    that several seeds bring to step k counts once). A rate that rests on fewer than min_rounds
-    distinct anchors is null in `alpha`/`retention` (its raw value stays in `alpha_observed` /
-    `retention_observed`) and flagged false in `*_sufficient`."""
+    variance component) and the guards for thin evidence (`resample.record_guards`). A rate is
+    insufficient when it rests on fewer than min_rounds distinct anchors (an anchor that several
+    seeds bring to step k counts once) or fewer than min_sequences distinct sequences, or when its
+    resamples do not vary (its interval is then null, never a point): it is null in
+    `alpha`/`retention` (the raw value stays in `alpha_observed` / `retention_observed`), flagged
+    false in `*_sufficient`, and `*_reason` says why. Intervals are clipped to the statistic's range."""
     reached_s, accepted_s = anchors.per_sequence()
     rounds, acc = reached_s.sum((0, 1)), accepted_s.sum((0, 1))
     observed = alpha(rounds, acc)
     rounds_l, acc_l = [int(x) for x in rounds.tolist()], [int(x) for x in acc.tolist()]
-    distinct = anchors.distinct_reached()
-    enough = [n >= min_rounds for n in distinct]
-    ret_enough = enough[0] and enough[-1]
-    ret = retention(observed)
+    distinct, seqs = anchors.distinct_reached(), anchors.distinct_sequences()
     steps = anchors.steps
     ci = intervals([anchors], ["mat", "retention"] + [f"alpha_{k}" for k in range(steps)]
                    + [f"cumulative_{k}" for k in range(steps)], samples, seed, level)
-    bounds = lambda name: [ci[name].low, ci[name].high]   # noqa: E731
+
+    def guarded(name: str, k: int) -> dict:   # the record of `name`, resting on the anchors that reach step k
+        return record_guards(ci[name].as_dict(), distinct[k], seqs[k], min_rounds, min_sequences)
+
+    rates = [guarded(f"alpha_{k}", k) for k in range(steps)]
+    cum = [guarded(f"cumulative_{k}", 0) for k in range(steps)]
+    mat_g = guarded("mat", 0)
+    ret_g = guarded("retention", steps - 1)   # the fewer anchors of its two steps
+    enough = [g["sufficient"] for g in rates]
+    ret_enough = enough[0] and enough[-1] and ret_g["sufficient"]
+    ret_reason = ret_g["reason"] or (None if ret_enough else "insufficient: " + "; ".join(
+        f"alpha_{k} {reason_why(rates[k]['reason'])}" for k in sorted({0, steps - 1}) if rates[k]["reason"]))
+    ret = retention(observed)
     return {
         "rounds": rounds_l,
         "accepted": acc_l,
         "distinct_anchors": distinct,
+        "distinct_sequences": seqs,
         "seeds": anchors.seeds,
         "min_rounds": min_rounds,
+        "min_sequences": min_sequences,
         "alpha": [x if ok else None for x, ok in zip(observed, enough)],
         "alpha_observed": observed,
         "alpha_sufficient": enough,
+        "alpha_reason": [g["reason"] for g in rates],
         "alpha_jeffreys_ci": [jeffreys_interval(x, n, level) for x, n in zip(acc_l, rounds_l)],
         "cumulative": [x / rounds_l[0] if rounds_l[0] else float("nan") for x in acc_l],
+        "cumulative_reason": [g["reason"] for g in cum],
         "mat": mat(observed),
-        "mat_sufficient": enough[0],
+        "mat_sufficient": mat_g["sufficient"],
+        "mat_reason": mat_g["reason"],
         "retention": ret if ret_enough else None,
         "retention_observed": ret,
         "retention_sufficient": ret_enough,
-        "alpha_ci": [bounds(f"alpha_{k}") for k in range(steps)],
+        "retention_reason": ret_reason,
+        "alpha_ci": [g["ci"] for g in rates],
         "alpha_undefined_resamples": [ci[f"alpha_{k}"].undefined_resamples for k in range(steps)],
-        "cumulative_ci": [bounds(f"cumulative_{k}") for k in range(steps)],
-        "mat_ci": bounds("mat"), "retention_ci": bounds("retention"),
+        "cumulative_ci": [g["ci"] for g in cum],
+        "mat_ci": mat_g["ci"], "retention_ci": ret_g["ci"],
         "mat_se": ci["mat"].se, "mat_mde": ci["mat"].mde,
         "bootstrap_samples": samples, "level": level,
         "interval": INTERVAL_NOTE,
+        "interval_guard": INTERVAL_GUARD,
     }
 
 

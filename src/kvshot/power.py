@@ -110,3 +110,37 @@ def decided(design: Design, alphas: list[list[float]], name: str, reps: int, sam
 def shifted(alphas: list[float], logit_shift: float) -> list[float]:
     """Every alpha_k moved by the same amount on the logit scale."""
     return [1 / (1 + math.exp(-(_logit(a) + logit_shift))) for a in alphas]
+
+
+def coverage_by_sequences(conversations: list[int], alphas: list[float], anchors_per_conversation: int, reps: int,
+                          samples: int = 200, seed: int = 0, level: float = LEVEL,
+                          steps: list[int] | None = None) -> dict[int, dict]:
+    """The minimum-sequences rule's evidence: one-seed evaluations of `conversations` each
+    (`anchors_per_conversation` anchors per conversation), every alpha_k's interval binned by the
+    distinct sequences that reach step k (`AnchorPanel.distinct_sequences`). Per count: intervals,
+    coverage of the truth (a withheld interval, null because its resamples do not vary, covers
+    nothing), the withheld share, and the mean width and share reaching a bound (0 or 1: clipped,
+    or degenerate there) of those given. steps: only these alpha_k (default all)."""
+    names = [f"alpha_{k}" for k in (range(len(alphas)) if steps is None else steps)]
+    out: dict[int, dict] = {}
+    for c in conversations:
+        design = Design(conversations=c, anchors=anchors_per_conversation * c, steps=len(alphas), seeds=1, seed_sd=0.0)
+        true = truth(design, [alphas], names, replicates=100)
+        gen = torch.Generator().manual_seed(seed + c)
+        for i in range(reps):
+            one = draw(design, [alphas], gen)[0]
+            reach = one.distinct_sequences()
+            for name, iv in intervals([one], names, samples, seed=seed + i, level=level).items():
+                b = out.setdefault(reach[int(name.rpartition("_")[2])],
+                                   {"intervals": 0, "covered": 0, "withheld": 0, "width": 0.0, "at_bound": 0})
+                b["intervals"] += 1
+                b["covered"] += bool(iv.low <= true[name][0] <= iv.high)
+                b["withheld"] += iv.reason is not None
+                if iv.reason is None:
+                    b["width"] += iv.high - iv.low
+                    b["at_bound"] += iv.low <= 0.0 or iv.high >= 1.0
+    for b in out.values():
+        given = max(b["intervals"] - b["withheld"], 1)
+        b |= {"coverage": b["covered"] / b["intervals"], "withheld_share": b["withheld"] / b["intervals"],
+              "mean_width": b["width"] / given, "at_bound_share": b["at_bound"] / given}
+    return dict(sorted(out.items()))

@@ -19,9 +19,20 @@ The interval is estimate +- sqrt(sum_c t_c^2 V_c), each component with its own t
 seeds widen only the seed part. The minimum detectable effect replaces t_c by t_c + t_power.
 tests/test_coverage.py measures coverage and power on clustered synthetic chains with a known
 truth (`power`); docs/statistics.md states the choices.
+
+Two guards for thin evidence (`guard_bounds`, `record_guards`; tests/test_interval_guards.py):
+- an interval is clipped to the values its statistic can take (`statistic_range`,
+  `contrast_range`): the truth lies in that range, so clipping never drops it and the measured
+  coverage is unchanged, while a t interval on few sequences can reach far outside it;
+- a resample distribution without spread (every resample equal: one sequence, or sequences that
+  all agree) gives no interval: null bounds and the reason "insufficient", never a point.
+A rate also reads "insufficient" when it rests on fewer than min_rounds distinct anchors or on
+fewer than min_sequences distinct sequences: the bootstrap resamples sequences, and with few of
+them its intervals under-cover (docs/statistics.md, "Minimum sequences").
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -75,6 +86,12 @@ class AnchorPanel:
         one anchor count once): what the minimum-rounds rule counts."""
         best = self.lengths.max(0).values
         return [int((best >= k).sum()) for k in range(self.steps)]
+
+    def distinct_sequences(self) -> list[int]:
+        """Per step, the distinct sequences holding an anchor that some seed brings to step k: the
+        clusters the bootstrap resamples for alpha_k, what the minimum-sequences rule counts."""
+        best = self.lengths.max(0).values
+        return [int(self.sequence[best >= k].unique().numel()) for k in range(self.steps)]
 
 
 def panel(lengths: list[list[int]] | Tensor, sequence: list[int] | Tensor, steps: int, keys=()) -> AnchorPanel:
@@ -175,10 +192,12 @@ class Interval:
     mde: float
     level: float = LEVEL
     undefined_resamples: int = 0
+    reason: str | None = None     # "insufficient: <why>" where the interval is withheld (`guard_bounds`)
 
     def as_dict(self) -> dict:
         return {"estimate": self.estimate, "ci": [self.low, self.high], "se": self.se, "df": self.df,
-                "mde": self.mde, "level": self.level, "undefined_resamples": self.undefined_resamples}
+                "mde": self.mde, "level": self.level, "undefined_resamples": self.undefined_resamples,
+                "reason": self.reason}
 
 
 def interval(panels: list[AnchorPanel], name: str, samples: int = DEFAULT_SAMPLES, seed: int = 0,
@@ -207,7 +226,10 @@ def intervals(panels: list[AnchorPanel], names: list[str], samples: int = DEFAUL
         undefined = int((~torch.isfinite(by_seq)).sum())
         var_seq, df_seq = _var(by_seq), max(panels[0].n_sequences - 1, 1)
         var_seed = seed_component(panels, coefs, stat) if panels[0].seeds > 1 else 0.0
-        out[name] = _t_interval(estimate, [(var_seq, df_seq), (var_seed, panels[0].seeds - 1)], level, power, undefined)
+        raw = _t_interval(estimate, [(var_seq, df_seq), (var_seed, panels[0].seeds - 1)], level, power, undefined)
+        low, high, why = guard_bounds(raw.estimate, raw.low, raw.high, contrast_range(name, panels[0].steps, coefs))
+        out[name] = dataclasses.replace(raw, low=low, high=high, reason=insufficient(why),
+                                        mde=float("nan") if why else raw.mde)
     return out
 
 
@@ -265,3 +287,78 @@ def same_anchors(a: AnchorPanel, b: AnchorPanel) -> bool:
     as many seeds (seed i of one is paired with seed i of the other)."""
     return (a.keys == b.keys and a.lengths.shape[1] == b.lengths.shape[1] and a.seeds == b.seeds
             and bool((a.sequence == b.sequence).all()))
+
+
+# ---------------------------------------------------------------- guards for thin evidence
+
+INSUFFICIENT = "insufficient"
+NO_SPREAD = "the resamples do not vary"
+UNDEFINED = "too few defined resamples"
+ZERO_WIDTH = 1e-9   # relative: an interval narrower than this has no spread
+NO_ESTIMATE = "no estimate (a step no anchor reaches, or a zero denominator)"
+INTERVAL_GUARD = ("intervals clipped to the statistic's range (rates [0, 1], MAT [1, K + 1], retention >= 0, a "
+                  "contrast to the range of its coefficients: the truth lies there, so coverage is unchanged); a "
+                  "resample distribution without spread gives no interval (null, 'insufficient'); a rate on fewer "
+                  "than min_rounds distinct anchors or min_sequences distinct sequences reads 'insufficient' "
+                  "(resample.py, docs/statistics.md)")
+
+
+def statistic_range(name: str, steps: int) -> tuple[float, float]:
+    """The values statistic `name` can take with K = steps: a rate (alpha_k, cumulative_k) [0, 1];
+    MAT, 1 + the sum of K cumulative rates, [1, K + 1]; retention alpha_{K-1} / alpha_0, a ratio of
+    two rates, [0, inf) (it exceeds 1 when the last step is accepted more often than the first)."""
+    if name == "mat":
+        return 1.0, steps + 1.0
+    if name == "retention":
+        return 0.0, math.inf
+    if name.rpartition("_")[0] in ("alpha", "cumulative"):
+        return 0.0, 1.0
+    raise KeyError(f"unknown statistic {name!r}")
+
+
+def contrast_range(name: str, steps: int, coefs: tuple[float, ...]) -> tuple[float, float]:
+    """The range of sum_i coefs[i] * statistic_i, each statistic in `statistic_range` (a difference
+    of two rates: [-1, 1]; of two MATs: [-K, K])."""
+    lo, hi = statistic_range(name, steps)
+    ends = [(c * lo, c * hi) if c > 0 else (c * hi, c * lo) for c in coefs if c != 0]
+    return sum(a for a, _ in ends), sum(b for _, b in ends)
+
+
+def guard_bounds(estimate: float, low: float, high: float, bounds: tuple[float, float]) -> tuple[float, float, str]:
+    """An interval's bounds after both guards, and why it was withheld ('' when it stands): a
+    zero-width interval of a defined estimate (the resamples do not vary) and an undefined one
+    become null (NaN); the rest is clipped to `bounds`."""
+    if not math.isfinite(estimate):
+        return float("nan"), float("nan"), NO_ESTIMATE
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return float("nan"), float("nan"), UNDEFINED
+    if high - low <= ZERO_WIDTH * max(1.0, abs(estimate)):   # rounding leaves ~1e-16 of one sequence's ratio
+        return float("nan"), float("nan"), NO_SPREAD
+    return max(low, bounds[0]), min(high, bounds[1]), ""
+
+
+def insufficient(*why: str) -> str | None:
+    """The reason a number reads insufficient ("insufficient: a; b"), None when nothing is wrong."""
+    parts = [w for w in why if w]
+    return f"{INSUFFICIENT}: {'; '.join(parts)}" if parts else None
+
+
+def count_why(anchors: int, sequences: int | None, min_rounds: int, min_sequences: int) -> str:
+    """What the minimum-counts rule finds short: distinct anchors and distinct sequences."""
+    short = [f"{anchors} anchors < min_rounds {min_rounds}"] if anchors < min_rounds else []
+    if sequences is not None and sequences < min_sequences:
+        short.append(f"{sequences} sequence{'s' if sequences != 1 else ''} < min_sequences {min_sequences}")
+    return "; ".join(short)
+
+
+def reason_why(reason: str | None) -> str:
+    """The text after "insufficient: " of a reason ('' for None)."""
+    return (reason or "").partition(": ")[2] if reason else ""
+
+
+def record_guards(record: dict, anchors: int, sequences: int | None, min_rounds: int, min_sequences: int) -> dict:
+    """An interval record (`Interval.as_dict`) annotated with what it rests on (`anchors`,
+    `sequences`) and the guards' verdict: `reason` "insufficient: <why>" when the counts are
+    below the minimums or the interval was withheld, else None; `sufficient` accordingly."""
+    reason = insufficient(count_why(anchors, sequences, min_rounds, min_sequences), reason_why(record.get("reason")))
+    return record | {"anchors": anchors, "sequences": sequences, "reason": reason, "sufficient": reason is None}

@@ -25,7 +25,7 @@ from .data import DataError, read_jsonl
 from .drafters import Drafter
 from .features import pad_batch
 from .io import read_json, write_json
-from .metrics import DEFAULT_MIN_ROUNDS, chain_counts, chain_summary, jeffreys_interval
+from .metrics import DEFAULT_MIN_ROUNDS, DEFAULT_MIN_SEQUENCES, chain_counts, chain_summary, jeffreys_interval
 from .resample import AnchorPanel, panel, panel_record
 from .blockwise import any_unroll, is_block
 from .target import target_forward
@@ -359,7 +359,7 @@ def pool_tallies(tallies: list[dict]) -> dict:
 
 def summarize_tally(tally: dict, items: list[dict], steps: int, bootstrap_samples: int = 1000, seed: int = 0,
                     min_rounds: int = DEFAULT_MIN_ROUNDS, context_buckets: list[int] | None = None,
-                    anchors: AnchorPanel | None = None) -> dict:
+                    anchors: AnchorPanel | None = None, min_sequences: int = DEFAULT_MIN_SEQUENCES) -> dict:
     """alpha_k, acc_k, MAT, retention with intervals that resample whole sequences
     (`chain_summary`; anchors: the per-anchor panel of every seed pooled in the tally, default the
     tally's own), the repetition share of the reference tokens, alpha_k by context length."""
@@ -372,7 +372,7 @@ def summarize_tally(tally: dict, items: list[dict], steps: int, bootstrap_sample
         "steps": steps,
         "repetition": repetition_share(items),
     }
-    result.update(chain_summary(anchors, bootstrap_samples, seed, min_rounds))
+    result.update(chain_summary(anchors, bootstrap_samples, seed, min_rounds, min_sequences=min_sequences))
     result["by_context"] = by_context(tally["contexts"], tally["chains"], list(context_buckets or DEFAULT_CONTEXT_BUCKETS))
     return result
 
@@ -387,11 +387,11 @@ def order_items(items: list[dict]) -> list[dict]:
 def stepwise(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
              batch_size: int, device: str, bootstrap_samples: int = 1000, seed: int = 0,
              dtype: str = "float32", min_rounds: int = DEFAULT_MIN_ROUNDS,
-             context_buckets: list[int] | None = None) -> dict:
+             context_buckets: list[int] | None = None, min_sequences: int = DEFAULT_MIN_SEQUENCES) -> dict:
     """One drafter's step-wise record (`chain_tally` then `summarize_tally`)."""
     items = order_items(items)
     tally = chain_tally(drafter, target, items, aux_layers, steps, batch_size, device, dtype)
-    return summarize_tally(tally, items, steps, bootstrap_samples, seed, min_rounds, context_buckets)
+    return summarize_tally(tally, items, steps, bootstrap_samples, seed, min_rounds, context_buckets, None, min_sequences)
 
 
 SEED_METRICS = ("alpha_observed", "cumulative", "mat", "retention_observed")
@@ -419,27 +419,28 @@ def across_seeds(per_seed: list[dict]) -> dict:
 def stepwise_seeds(drafters: list[tuple[int, Drafter]], target, items: list[dict], aux_layers: tuple[int, ...],
                    steps: int, batch_size: int, device: str, bootstrap_samples: int = 1000, seed: int = 0,
                    dtype: str = "float32", min_rounds: int = DEFAULT_MIN_ROUNDS,
-                   context_buckets: list[int] | None = None) -> dict:
+                   context_buckets: list[int] | None = None, min_sequences: int = DEFAULT_MIN_SEQUENCES) -> dict:
     """The step-wise record of a variant trained with several seeds, [(seed, drafter)]: pooled
     over seeds (per-sequence counts summed: the seed-averaged drafter, prompt intervals), with
     every seed's own record in `per_seed` and their spread in `across_seeds`."""
     items = order_items(items)
     tallies = chain_tallies([d for _, d in drafters], target, items, aux_layers, steps, batch_size, device, dtype)
     return seeds_record([s for s, _ in drafters], tallies, items, steps, bootstrap_samples, seed, min_rounds,
-                        context_buckets)
+                        context_buckets, min_sequences)
 
 
 def seeds_record(seeds: list[int | None], tallies: list[dict], items: list[dict], steps: int,
                  bootstrap_samples: int = 1000, seed: int = 0, min_rounds: int = DEFAULT_MIN_ROUNDS,
-                 context_buckets: list[int] | None = None) -> dict:
+                 context_buckets: list[int] | None = None, min_sequences: int = DEFAULT_MIN_SEQUENCES) -> dict:
     """`stepwise_seeds`' record from the seeds' tallies (`chain_tallies`, in `order_items` order)."""
     per_seed = []
     for s, tally in zip(seeds, tallies):
-        own = summarize_tally(tally, items, steps, bootstrap_samples, seed, min_rounds, context_buckets)
+        own = summarize_tally(tally, items, steps, bootstrap_samples, seed, min_rounds, context_buckets, None,
+                              min_sequences)
         per_seed.append({"seed": s} | {k: own[k] for k in own if k not in ("by_context", "repetition", "acc_note")})
     anchors = anchor_panel(tallies, steps)
     result = summarize_tally(pool_tallies(tallies) if len(tallies) > 1 else tallies[0], items, steps,
-                             bootstrap_samples, seed, min_rounds, context_buckets, anchors)
+                             bootstrap_samples, seed, min_rounds, context_buckets, anchors, min_sequences)
     result["pooled"] = (f"{len(per_seed)} training seeds: counts summed per sequence over seeds; intervals "
                         f"with the seeds' variance (resample.py)" if len(per_seed) > 1 else "one training seed")
     result["anchors_panel"] = panel_record(anchors, list(seeds))
@@ -500,9 +501,8 @@ def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_d
     outputs: one per variant, all scored in one pass that runs the target once per batch for
     every drafter (eval.shared_target_pass)."""
     from .drafters import load_drafter
-    from .target import load_target
-
     from .drafters.attention import use_attention
+    from .target import load_target
 
     outs = [out_path] if isinstance(out_path, (str, Path)) else list(out_path)
     natural_outs = [natural_out] if isinstance(natural_out, (str, Path)) else list(natural_out or [])
@@ -533,7 +533,8 @@ def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_d
         seconds = time.time() - start
         for dirs, variant, path in zip(groups, drafters, paths):
             result = seeds_record([s for s, _ in variant], [next(tallies) for _ in variant], items, steps,
-                                  ecfg["bootstrap_samples"], cfg["seed"], ecfg["min_rounds"], ecfg.get("context_buckets"))
+                                  ecfg["bootstrap_samples"], cfg["seed"], ecfg["min_rounds"], ecfg.get("context_buckets"),
+                                  ecfg.get("min_sequences", DEFAULT_MIN_SEQUENCES))
             first = variant[0][1]
             result.update(protocol=name, max_repetition=ecfg.get("max_repetition", MAX_REPETITION),
                           variant=drafter_variant(dirs[0]), drafters=[str(d) for d in dirs],

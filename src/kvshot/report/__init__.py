@@ -49,9 +49,10 @@ def run_scaling_report(results: str, sizes: list[int], variants: list[str], figu
 
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
 STEPWISE_NOTE = ("n_k: distinct anchors that reached step k (seed copies count once). A rate that rests on fewer "
-                 "than `eval.min_rounds` reads *insufficient data*, and a claim that rests on it reads *inconclusive*. "
-                 "Intervals (95%): whole sequences resampled, the training seeds' variance added as its own component "
-                 "(docs/statistics.md). "
+                 "than `eval.min_rounds` distinct anchors or fewer than `eval.min_sequences` distinct sequences "
+                 "(conversations or prompts), or whose resamples do not vary, reads *insufficient data*, and a claim "
+                 "that rests on it reads *inconclusive*. Intervals (95%): whole sequences resampled, the training "
+                 "seeds' variance added as its own component, clipped to the statistic's range (docs/statistics.md). "
                  "Protocols: `continuations`, every anchor of the target's greedy continuations of the eval prompts "
                  "(the paper's); `natural`, seeded anchors in real held-out assistant text, each scored against the "
                  "target's greedy rollout from that real prefix. `repetition`: the share of a protocol's reference "

@@ -232,7 +232,8 @@ def block_rows(block: list[Variant], chain: list[Variant]) -> list[dict]:
                    "MAT": sw["mat"], "MAT_lo": sw["mat_ci"][0], "MAT_hi": sw["mat_ci"][1],
                    "retention": sw["retention_observed"], "kv_grad_positions": median_position_ratio(v)}
             row |= {f"alpha_{k}": a for k, a in enumerate(sw["alpha_observed"])}
-            row |= {f"n_{k}": n for k, n in enumerate(sw["rounds"])} | {"min_rounds": sw["min_rounds"]}
+            row |= {f"n_{k}": n for k, n in enumerate(sw["rounds"])}
+            row |= {"min_rounds": sw["min_rounds"], "min_sequences": sw.get("min_sequences")}
             chain_e2e = (v.e2e or {}).get("modes", {}).get("chain")
             if chain_e2e:
                 row |= {"tau_chain": chain_e2e["tau"], "draft_s_per_round": chain_e2e["draft_seconds_per_round"],
@@ -283,7 +284,7 @@ def blockwise_figure(block: list[Variant], chain: list[Variant], path) -> None:
         ax.set_ylim(0, 1)
         ax.legend(fontsize=7, loc="lower left")
     axes[0][0].set_ylabel(r"$\alpha_k$ (conditional acceptance)")
-    fig.suptitle(f"Block-wise vs chain drafting ({judged} protocol; points with fewer rounds than the minimum left out)")
+    fig.suptitle(f"Block-wise vs chain drafting ({judged} protocol; insufficient points, too few anchors or sequences, left out)")
     _save(fig, path)
 
 

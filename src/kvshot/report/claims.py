@@ -6,9 +6,10 @@ interval of the difference (or contrast) on those shared anchors (`resample.inte
 sequence bootstrap, the training seeds' variance as its own component, 95% two-sided):
 `reproduced` when it excludes zero in the paper's direction, `not reproduced` when it excludes
 zero the other way, `inconclusive` otherwise, with the smallest difference this run would decide
-at 80% power (`mde`) beside it. A number that rests on fewer distinct anchors than the minimum
-(stepwise.json `min_rounds`) makes its comparison inconclusive. Each comparison is recorded in
-its claim's `comparisons` (claims.json). The E2E claim pairs tau on shared prompts
+at 80% power (`mde`) beside it. A number that rests on fewer distinct anchors or sequences than
+the minimums (stepwise.json `min_rounds`, `min_sequences`), or whose resamples do not vary, is
+insufficient and makes its comparison inconclusive, and the comparison says why (`insufficient`).
+Each comparison is recorded in its claim's `comparisons` (claims.json). The E2E claim pairs tau on shared prompts
 (`e2e_claim`); the diagnostics (gate, gradient positions) state their rules with each test
 (`diagnostic_rules`). The paper's numbers come from
 results.PAPER. Step-wise claims are judged on the evaluation protocol whose reference tokens
@@ -22,13 +23,14 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable
 
-from ..resample import AnchorPanel, Interval, interval, read_panel, same_anchors
+from ..resample import AnchorPanel, Interval, count_why, interval, read_panel, reason_why, same_anchors
 from .diagnostic_rules import (GATE_CLOSED_FRACTION, GATE_EARLY_FRACTION, GATE_MIN_POINTS, GATE_SHARE,
                                KV_POSITION_RATIO, KV_SPARSE_RATIO, band, gate_collapse, gate_trajectory, log_values,
                                replicates, share_trajectory, side)
 from .e2e_claim import e2e_claim   # the E2E claim: an equivalence test on paired tau (its own module)
 from .verdicts import INCONCLUSIVE, MISSING, NOT_REPRODUCED, REPRODUCED, agree, claim, combine  # noqa: F401
-from .results import PAPER, Variant, anchor_counts, judged_protocol, roles, seed_runs, with_protocol
+from .results import (PAPER, Variant, anchor_counts, judged_protocol, roles, seed_runs, sequence_counts,
+                      with_protocol)
 
 
 # the diagnostic rules and their thresholds: report/diagnostic_rules.py, docs/paper-vs-kvshot.md (Diagnostics)
@@ -38,43 +40,54 @@ GATE_SHARE_NEGLIGIBLE = 0.01   # a KV branch that adds under 1% of |h| is effect
 @dataclass(frozen=True)
 class Estimate:
     """One step-wise number of one variant: its statistic (`resample.statistic` name), value,
-    interval and the distinct anchors it rests on."""
+    interval, the distinct anchors and sequences it rests on, and why it is insufficient
+    (`reason`, from the guards `results.apply_guards` applied; None: it stands)."""
     what: str
     value: float
     ci: tuple[float, float]
     rounds: int
     min_rounds: int
     stat: str = ""
+    sequences: int | None = None
+    min_sequences: int = 0
+    reason: str | None = None
 
     @property
     def enough(self) -> bool:
-        return self.rounds >= self.min_rounds and not math.isnan(self.value)
+        return self.reason is None and self.rounds >= self.min_rounds and not math.isnan(self.value)
 
     def text(self) -> str:
         if not self.enough:
-            return f"insufficient data ({self.rounds} anchors < {self.min_rounds})"
+            why = reason_why(self.reason) or count_why(self.rounds, self.sequences, self.min_rounds, self.min_sequences)
+            return f"insufficient data ({why or 'no estimate'})"
         return f"{self.value:.3f} [{self.ci[0]:.3f}, {self.ci[1]:.3f}] (n={self.rounds})"
+
+
+def _estimate(sw: dict, what: str, value: float, ci, k: int, stat: str, reason: str | None) -> Estimate:
+    """An Estimate resting on the anchors and sequences that reach step k."""
+    return Estimate(what, value, tuple(ci), anchor_counts(sw)[k], sw["min_rounds"], stat,
+                    sequence_counts(sw)[k], sw.get("min_sequences", 0), reason)
 
 
 def alpha_at(k: int) -> Callable[[Variant], Estimate]:
     def get(v: Variant) -> Estimate:
         sw = v.stepwise
-        return Estimate(f"alpha_{k}", sw["alpha_observed"][k], tuple(sw["alpha_ci"][k]), anchor_counts(sw)[k],
-                        sw["min_rounds"], f"alpha_{k}")
+        return _estimate(sw, f"alpha_{k}", sw["alpha_observed"][k], sw["alpha_ci"][k], k, f"alpha_{k}",
+                         (sw.get("alpha_reason") or [None] * (k + 1))[k])
     return get
 
 
 def mat_of(v: Variant) -> Estimate:
     """MAT = 1 + sum_k accepted_k / rounds_0: it rests on the anchors of step 0."""
     sw = v.stepwise
-    return Estimate("MAT", sw["mat"], tuple(sw["mat_ci"]), anchor_counts(sw)[0], sw["min_rounds"], "mat")
+    return _estimate(sw, "MAT", sw["mat"], sw["mat_ci"], 0, "mat", sw.get("mat_reason"))
 
 
 def retention_of(v: Variant) -> Estimate:
+    """alpha_{K-1} / alpha_0: it rests on the fewer anchors, those of the last step."""
     sw = v.stepwise
-    n = anchor_counts(sw)
-    return Estimate("retention", sw["retention_observed"], tuple(sw["retention_ci"]), min(n[0], n[-1]),
-                    sw["min_rounds"], "retention")
+    return _estimate(sw, "retention", sw["retention_observed"], sw["retention_ci"], len(sw["rounds"]) - 1,
+                     "retention", sw.get("retention_reason"))
 
 
 def decide(diff: Interval) -> str:
@@ -116,10 +129,15 @@ class Judge:
                                               "note": "no per-anchor counts on shared anchors: cannot pair"})
             return INCONCLUSIVE
         diff = interval(panels, estimates[0].stat, self.samples, self.seed, coefs=coefs)
-        verdict = decide(diff) if all(e.enough for e in estimates) else INCONCLUSIVE
+        short = [f"{e.what} of {v.name}: {e.text()}" for e, v in zip(estimates, variants) if not e.enough]
+        verdict = decide(diff) if not short else INCONCLUSIVE
         record |= {"difference": diff.estimate, "ci": [diff.low, diff.high], "se": diff.se, "mde": diff.mde,
                    "level": diff.level, "verdict": verdict,
-                   "anchors": min(e.rounds for e in estimates), "min_rounds": estimates[0].min_rounds}
+                   "anchors": min(e.rounds for e in estimates), "min_rounds": estimates[0].min_rounds,
+                   "sequences": min((e.sequences for e in estimates if e.sequences is not None), default=None),
+                   "min_sequences": estimates[0].min_sequences}
+        if short or diff.reason:   # the verdict says why it cannot decide
+            record["insufficient"] = "; ".join(short + ([f"the difference: {diff.reason}"] if diff.reason else []))
         if self.seeds:
             record["per_seed_difference"] = [sum(c * get(s[v.name]).value for c, v in zip(coefs, variants))
                                              for s in self.seeds]
@@ -152,6 +170,8 @@ def comparison_text(c: dict) -> str:
     """One comparison for claims.md: difference, interval, and the smallest detectable one."""
     if "difference" not in c:
         return f"{c['contrast']} ({c['statistic']}): {c.get('note', 'not compared')}"
+    if c.get("insufficient"):   # no interval, or one resting on insufficient numbers: not decided
+        return f"{c['contrast']} ({c['statistic']}): {c['difference']:+.3f}, not decided: {c['insufficient']}"
     text = f"{c['contrast']} ({c['statistic']}): {c['difference']:+.3f} [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}]"
     if c["verdict"] == INCONCLUSIVE:
         text += f", detectable at 80% power: |difference| >= {c['mde']:.3f}"
@@ -320,7 +340,9 @@ def claims_markdown(claims: list[dict], time_capped: list[str] = ()) -> str:
     """claims.md; time_capped: what stopped at its max_minutes cap (`tables.time_capped`), warned about."""
     lines = ["# Claims verdict", "", "Computed by `kvshot report` from the result files; paper numbers are "
              "Qwen3-8B's (the paper's tables), this run's are the embedded or configured scale. A number that rests "
-             "on fewer distinct anchors than the minimum reads \"insufficient data\" and its comparison is inconclusive. "
+             "on fewer distinct anchors (`eval.min_rounds`) or sequences (`eval.min_sequences`) than the minimum, or "
+             "has no interval because its resamples do not vary, reads \"insufficient data\" and its comparison is "
+             "inconclusive, saying why. "
              "Comparisons are paired on the anchors every variant and seed is scored on: the difference, its 95% "
              "interval (sequences resampled, the training seeds' variance included), and beside an inconclusive one "
              "the smallest difference this run decides with 80% power (docs/statistics.md).", ""]

@@ -127,7 +127,7 @@ def drift_figure(order: list[tuple[Variant, str]], protocol: str, path) -> None:
                capsize=3, color=[f"C{i}" for i in range(len(order))])
     for i, e in enumerate(rets):   # no bar: say why, not a zero
         if not e.enough:
-            right.text(0.02, i, f"insufficient data (n={e.rounds} at the last step)", va="center", fontsize=7,
+            right.text(0.02, i, e.text(), va="center", fontsize=7,
                        transform=right.get_yaxis_transform())
     right.set_yticks(range(len(order)), names, fontsize=8)
     right.invert_yaxis()

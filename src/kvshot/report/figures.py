@@ -49,13 +49,13 @@ def _line_style(v: Variant) -> str:
 
 def decay(variants: list[Variant], path) -> None:
     """alpha_k with its interval per step, and below it the rounds each alpha_k rests on, one
-    column per evaluation protocol. A point below the minimum rounds is drawn hollow, without
-    line or interval."""
+    column per evaluation protocol. An insufficient point (below the minimum rounds or sequences,
+    or without an interval: `results.apply_guards`) is drawn hollow, without line or interval."""
     _style()
     protocols = protocol_names(variants)
     fig, axes = plt.subplots(2, len(protocols), figsize=(6.4 * len(protocols), 6.2), sharex=True, squeeze=False,
                              gridspec_kw={"height_ratios": [3, 1.4]})
-    min_rounds = variants[0].stepwise["min_rounds"]
+    min_rounds, min_seqs = variants[0].stepwise["min_rounds"], variants[0].stepwise.get("min_sequences")
     last = len(variants[0].stepwise["alpha"]) - 1
     for col, protocol in enumerate(protocols):
         ax, axn = axes[0][col], axes[1][col]
@@ -77,7 +77,7 @@ def decay(variants: list[Variant], path) -> None:
                         xytext=(8, 4 if who == "kv-d4" else -16))
         ax.set_ylabel(r"$\alpha_k$ (conditional acceptance)")
         ax.set_title(f"{_title(protocol, under)}\n(X: the paper's Qwen3-8B values at k = 6; "
-                     f"hollow: fewer than {min_rounds} rounds)", fontsize=10)
+                     f"hollow: insufficient, < {min_rounds} anchors or < {min_seqs} sequences)", fontsize=10)
         ax.set_xlim(-0.3, last + 1.2)
         ax.set_ylim(0, 1)
         if len(variants) <= 8:

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..io import read_json
-from ..metrics import DEFAULT_MIN_ROUNDS
+from ..metrics import DEFAULT_MIN_ROUNDS, DEFAULT_MIN_SEQUENCES
+from ..resample import count_why, guard_bounds, insufficient, read_panel, statistic_range
 
 # The paper's Qwen3-8B numbers (its tables; docs/paper-vs-kvshot.md), for side-by-side tables and figure marks.
 PAPER = {
@@ -80,8 +81,9 @@ def _nan(obj):
 
 
 def stepwise_view(sw: dict, path: str = "stepwise.json") -> dict:
-    """A stepwise.json record with undefined numbers as NaN and the minimum-rounds rule applied
-    from its own counts (`min_rounds`, default DEFAULT_MIN_ROUNDS)."""
+    """A stepwise.json record with undefined numbers as NaN and the guards for thin evidence
+    applied from its own counts and intervals (`apply_guards`: `min_rounds` and `min_sequences`,
+    default DEFAULT_MIN_ROUNDS and DEFAULT_MIN_SEQUENCES)."""
     sw = dict(sw)
     for key in ("alpha", "alpha_ci", "rounds", "mat", "mat_ci", "retention", "retention_ci"):
         if key not in sw:
@@ -92,6 +94,7 @@ def stepwise_view(sw: dict, path: str = "stepwise.json") -> dict:
     # files written before the per-step counts and the minimum-rounds rule: what they lack reads undefined
     steps, unknown = len(sw["rounds"]), float("nan")
     sw.setdefault("min_rounds", DEFAULT_MIN_ROUNDS)
+    sw.setdefault("min_sequences", DEFAULT_MIN_SEQUENCES)
     sw.setdefault("steps", steps)
     sw.setdefault("alpha_observed", sw["alpha"])
     sw.setdefault("retention_observed", sw["retention"])
@@ -100,9 +103,38 @@ def stepwise_view(sw: dict, path: str = "stepwise.json") -> dict:
     for key in ("alpha_jeffreys_ci", "cumulative_ci"):
         sw.setdefault(key, [[unknown, unknown]] * steps)
     sw.setdefault("cumulative", [unknown] * steps)
-    enough = [n >= sw["min_rounds"] for n in anchor_counts(sw)]
-    sw["alpha_sufficient"], sw["mat_sufficient"] = enough, enough[0]
-    sw["retention_sufficient"] = enough[0] and enough[-1]
+    return apply_guards(sw)
+
+
+def apply_guards(sw: dict) -> dict:
+    """The guards of `resample` on a viewed record, so that every table, figure and claim reads
+    the same verdicts as stepwise.json (files written before the guards get them here): each
+    interval clipped to its statistic's range, a zero-width or undefined one null; a number
+    insufficient (`*_sufficient` false, `*_reason` why, `alpha`/`retention` NaN) when it rests
+    on fewer than min_rounds distinct anchors or min_sequences distinct sequences, or has no
+    interval. A reason the file records itself is kept (its text is the more precise)."""
+    steps, n, seqs = sw["steps"], anchor_counts(sw), sequence_counts(sw)
+
+    def guarded(name: str, value: float, ci: list, k: int) -> tuple[list, str | None]:
+        lo, hi, why = guard_bounds(value, ci[0], ci[1], statistic_range(name, steps))
+        recorded = sw.get(f"{name.rpartition('_')[0] if name[-1].isdigit() else name}_reason")
+        if isinstance(recorded, list):
+            recorded = recorded[int(name.rpartition("_")[2])]
+        return [lo, hi], recorded or insufficient(count_why(n[k], seqs[k], sw["min_rounds"], sw["min_sequences"]), why)
+
+    rates = [guarded(f"alpha_{k}", sw["alpha_observed"][k], sw["alpha_ci"][k], k) for k in range(steps)]
+    cum = [guarded(f"cumulative_{k}", sw["cumulative"][k], sw["cumulative_ci"][k], 0) for k in range(steps)]
+    mat_ci, mat_reason = guarded("mat", sw["mat"], sw["mat_ci"], 0)
+    ret_ci, ret_reason = guarded("retention", sw["retention_observed"], sw["retention_ci"], steps - 1)
+    sw["alpha_ci"], sw["alpha_reason"] = [c for c, _ in rates], [r for _, r in rates]
+    sw["cumulative_ci"], sw["cumulative_reason"] = [c for c, _ in cum], [r for _, r in cum]
+    sw["alpha_sufficient"] = [r is None for r in sw["alpha_reason"]]
+    sw["alpha"] = [a if ok else float("nan") for a, ok in zip(sw["alpha_observed"], sw["alpha_sufficient"])]
+    sw["mat_ci"], sw["mat_reason"], sw["mat_sufficient"] = mat_ci, mat_reason, mat_reason is None
+    ret_reason = ret_reason or next((f"{r} (alpha_{k})" for k in (0, steps - 1) if (r := sw["alpha_reason"][k])), None)
+    sw["retention_ci"], sw["retention_reason"], sw["retention_sufficient"] = ret_ci, ret_reason, ret_reason is None
+    sw["retention"] = sw["retention_observed"] if ret_reason is None else float("nan")
+    sw["distinct_sequences"] = seqs
     return sw
 
 
@@ -110,6 +142,18 @@ def anchor_counts(sw: dict) -> list[int]:
     """Per step, the distinct anchors the rates rest on (seed copies of an anchor count once);
     files written before they were recorded: the pooled rounds."""
     return sw.get("distinct_anchors") or sw["rounds"]
+
+
+def sequence_counts(sw: dict) -> list[int | None]:
+    """Per step, the distinct sequences reaching step k (`resample.AnchorPanel.distinct_sequences`);
+    files written before they were recorded: from the anchor panel, else the sequences evaluated
+    (an upper bound at every step), else unknown (None: the rule cannot apply)."""
+    steps = len(sw["rounds"])
+    if sw.get("distinct_sequences"):
+        return sw["distinct_sequences"]
+    if sw.get("anchors_panel"):
+        return read_panel(sw["anchors_panel"], steps).distinct_sequences()
+    return [sw.get("sequences")] * steps
 
 
 def seed_folders(variant_dir: Path, sw: dict) -> list[Path]:
@@ -269,7 +313,8 @@ def seed_runs(variants: list[Variant]) -> list[list[Variant]]:
         for v in variants:
             train = nth(v.train, i) or {}
             e2e = nth(v.e2e, i)
-            sw = stepwise_view({"min_rounds": v.stepwise["min_rounds"]} | v.stepwise["per_seed"][i])
+            minimums = {k: v.stepwise[k] for k in ("min_rounds", "min_sequences")}
+            sw = stepwise_view(minimums | v.stepwise["per_seed"][i])
             run.append(Variant(name=v.name, paradigm=v.paradigm, layers=v.layers, stepwise=sw, train=train,
                                log=train.get("train_log", []), e2e=e2e))
         runs.append(run)

@@ -68,7 +68,7 @@ def _stepwise_rows(variants: list[Variant]) -> list[dict]:
                 "seeds": len(seeds.get("seeds") or []) or 1,
                 "MAT seed mean": _seed_mean(seeds.get("mat")), "MAT seed range": _range(seeds.get("mat")),
                 "retention": _rate(sw["retention_observed"], sw["retention_sufficient"]),
-                "min rounds": sw["min_rounds"]}
+                "min rounds": sw["min_rounds"], "min sequences": sw["min_sequences"]}
         rows.append(row)
     return rows
 
