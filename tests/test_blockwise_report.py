@@ -17,7 +17,8 @@ def test_stages_run_a_saved_block_drafter(tiny, tiny_features, tmp_path):
 
     from kvshot.drafters import load_drafter
     from kvshot.e2e import run_e2e_stage
-    from kvshot.stepwise import run_continuations_stage, run_stepwise_stage
+    from kvshot.stepwise import run_stepwise_stage
+    from kvshot.references import run_continuations_stage
     from kvshot.train import train_variant
 
     cfg = block_cfg(tiny, max_steps=4, eval_every=0)

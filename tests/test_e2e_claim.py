@@ -127,7 +127,7 @@ def test_the_alternating_timing_job_gives_the_overhead(tmp_path):
 def pair(tiny, tiny_features, tmp_path_factory):
     """EAGLE-3 and hybrid drafters (2 training seeds each, 4 steps) and the natural protocol's file."""
     from kvshot.config import runtime
-    from kvshot.stepwise import run_continuations_stage
+    from kvshot.references import run_continuations_stage
     from kvshot.train import train_variant
 
     root = tmp_path_factory.mktemp("pair")

@@ -222,7 +222,8 @@ def test_drift_variants_train_evaluate_and_decode_losslessly(tiny, tiny_features
     runs for them (drift.smk: train-drafter, eval-stepwise, eval-e2e), at the smoke scale: this
     test stands in for adding them to the smoke DAG (cheaper: one job each, no Snakemake)."""
     from kvshot.e2e import run_e2e_stage
-    from kvshot.stepwise import run_continuations_stage, run_stepwise_stage
+    from kvshot.stepwise import run_stepwise_stage
+    from kvshot.references import run_continuations_stage
 
     entries = {v["name"]: v for v in tiny["cfg"]["drift"]["variants"]}
     assert set(entries) == set(SWITCHES)

@@ -221,7 +221,8 @@ def test_import_rejects_a_checkpoint_with_absolute_d2t(exported, tiny, tmp_path)
 def test_an_imported_head_is_scored_by_stepwise_and_e2e_losslessly(exported, eagle3_dir, world, tiny,
                                                                     tiny_features, tmp_path):
     from kvshot.e2e import run_e2e_stage
-    from kvshot.stepwise import run_continuations_stage, run_stepwise_stage
+    from kvshot.stepwise import run_stepwise_stage
+    from kvshot.references import run_continuations_stage
 
     cfg = json.loads(json.dumps(tiny["cfg"]))
     cfg["drafters"]["variants"] = [{"name": "published", "paradigm": "hidden", "layers": 1,

@@ -192,7 +192,8 @@ def test_angelslim_layout_imports_with_sglang_aux_ids(angelslim, world, tiny, tm
 def scored_losslessly(cfg, tiny, tiny_features, world, variant: dict, tmp_path):
     """train-drafter imports the head (variant `weights:`), then eval-stepwise and eval-e2e."""
     from kvshot.e2e import run_e2e_stage
-    from kvshot.stepwise import run_continuations_stage, run_stepwise_stage
+    from kvshot.stepwise import run_stepwise_stage
+    from kvshot.references import run_continuations_stage
 
     cfg = json.loads(json.dumps(cfg))
     cfg["drafters"]["variants"] = [variant]

@@ -97,7 +97,8 @@ def test_seed_changes_the_drafter_and_is_recorded(tiny, tiny_features, tmp_path)
 
 def test_seeds_pool_per_sequence_and_keep_each_seeds_record(tiny, tiny_features):
     from kvshot.features import open_features
-    from kvshot.stepwise import natural_items, prompt_conversations, stepwise, stepwise_seeds
+    from kvshot.stepwise import stepwise, stepwise_seeds
+    from kvshot.references import natural_items, prompt_conversations
     from kvshot.target import load_target
     from kvshot.tokenizer import load_tokenizer
     from kvshot.train import draft_vocab

@@ -16,7 +16,7 @@ def trained(tiny, tiny_features, tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
     from kvshot.integrity import write_manifest
-    from kvshot.stepwise import run_continuations_stage
+    from kvshot.references import run_continuations_stage
     from kvshot.train import train_variant
 
     root = tmp_path_factory.mktemp("shared_pass")

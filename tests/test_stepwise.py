@@ -6,7 +6,8 @@ import json
 import pytest
 
 from kvshot.data import render_chat
-from kvshot.stepwise import chain_rows, eval_prompts, prompt_conversations
+from kvshot.stepwise import chain_rows
+from kvshot.references import eval_prompts, prompt_conversations
 from kvshot.tokenizer import load_tokenizer
 
 
@@ -45,7 +46,7 @@ def test_chain_rows_leave_room_for_every_step():
 # ---------------------------------------------------------------- the natural-text protocol
 
 def test_repetition_share_counts_tokens_that_complete_an_earlier_4gram():
-    from kvshot.stepwise import repetition_share
+    from kvshot.references import repetition_share
 
     # prompt 1 2 3 4; continuation 1 2 3 4 5: "4" completes (1,2,3,4), seen in the prompt; 1,2,3 and 5 do not
     got = repetition_share([{"prompt": [1, 2, 3, 4], "continuation": [1, 2, 3, 4, 5]}])
@@ -57,7 +58,7 @@ def test_repetition_share_counts_tokens_that_complete_an_earlier_4gram():
 
 def test_natural_anchors_lie_in_real_assistant_text_and_are_seeded(tiny):
     from kvshot.chat import tokenize_conversation
-    from kvshot.stepwise import natural_anchors
+    from kvshot.references import natural_anchors
 
     convs = prompt_conversations(tiny["eval"], 100)
     tok = load_tokenizer(tiny["tokenizer"])
@@ -75,7 +76,7 @@ def test_natural_anchors_lie_in_real_assistant_text_and_are_seeded(tiny):
 def test_batched_rollouts_equal_one_prompt_at_a_time(tiny):
     import torch
 
-    from kvshot.stepwise import greedy_rollouts, natural_anchors
+    from kvshot.references import greedy_rollouts, natural_anchors
     from kvshot.target import load_target
 
     target = load_target(tiny["model"], tiny["rt"])
@@ -114,7 +115,8 @@ def test_alpha_by_context_length_buckets():
 
 def test_stepwise_on_natural_items_scores_one_anchor_each_and_groups_conversations(tiny, tiny_features):
     from kvshot.features import open_features
-    from kvshot.stepwise import natural_items, stepwise
+    from kvshot.stepwise import stepwise
+    from kvshot.references import natural_items
     from kvshot.target import load_target
 
     from .test_drafters import K, make

@@ -85,7 +85,7 @@ def _cmd_import(args, cfg) -> dict:
 
 
 def _cmd_target_continuations(args, cfg) -> dict:
-    from .stepwise import run_continuations_stage
+    from .references import run_continuations_stage
 
     return run_continuations_stage(cfg, runtime(cfg), args.eval, args.target, args.out, args.natural_out)
 

