@@ -39,7 +39,9 @@ def test_switches_match_the_reference_logits_loss_and_gradients(name, packed):
     if not packed:
         real = batch["attention_mask"].bool()
         for k in range(STEPS):
-            torch.testing.assert_close(un.logits[k][real], theirs[k][real], atol=1e-5, rtol=1e-5)
+            # 7 chained fp32 steps: BLAS kernels differ between VMs in the last bits (1.8e-5 seen on one);
+            # a wrong wiring differs by ~1e-1
+            torch.testing.assert_close(un.logits[k][real], theirs[k][real], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     for (n, _), ref in zip([(n, t) for n, t in params.items() if t.requires_grad], ref_grads):
         got = dict(model.named_parameters())[n].grad
