@@ -1,6 +1,6 @@
 """Whole-pipeline budget: wall time and peak memory per rule of the last default run, from
-Snakemake's `benchmark:` files and its run log. Target: within 40 minutes on 2 cores (issue 19; the
-SmolLM2 study, config/smollm2.yaml: 120 minutes, issue 38), peak memory under 6 GiB. Prints the ratios last; exits non-zero when a target is missed.
+Snakemake's `benchmark:` files and its run log. Target: within 40 minutes on 2 cores (the
+SmolLM2 study, config/smollm2.yaml: 120 minutes), peak memory under 6 GiB. Prints the ratios last; exits non-zero when a target is missed.
 
     python benchmarks/pipeline.py [--results results] [--log .snakemake/log/<run>.snakemake.log] [--wall-minutes 40]
 """

@@ -15,7 +15,7 @@ Measured 2026-11-30 on the 2-core CPU machine (file 2.34 GB at 300k, 0.47 GB at 
    60k conversations, train 56k / eval 1k:  streaming   53 MB  (19 s), in-memory 1005 MB  (11 s)
 Streaming memory does not grow with the data (ranks: 8 bytes per record; one bucket of at
 most 4096 lines); the in-memory method's grows with it and real ShareGPT records cost more
-(issue 17 measured 1.64 GB at 60k).
+(1.64 GB was measured at 60k).
 """
 from __future__ import annotations
 

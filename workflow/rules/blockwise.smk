@@ -1,4 +1,4 @@
-# Block-wise drafting and the hybrid's gate remedies (issue 22; not part of `all`: the default
+# Block-wise drafting and the hybrid's gate remedies (not part of `all`: the default
 # run's time budget is full):
 # `snakemake --cores all figures/blockwise.pdf`. The block variants (config `blockwise.variants`,
 # paradigm block) are trained, evaluated step-wise and decoded by the same stages as the drafters,

@@ -1,4 +1,4 @@
-# EAGLE-3.1's attention-drift switches (issue 31; not part of `all`: the default run's time
+# EAGLE-3.1's attention-drift switches (not part of `all`: the default run's time
 # budget is full): `snakemake --cores all figures/drift.pdf`. The drift variants (config
 # `drift.variants`: EAGLE-3.1 and its two single-switch ablations, paradigm hidden) are trained,
 # evaluated step-wise and decoded by the same stages and seeds as the drafters, under

@@ -1,4 +1,4 @@
-# Training to plateau (issue 28; not part of `all`: the default run's time budget is full):
+# Training to plateau (not part of `all`: the default run's time budget is full):
 # `snakemake --cores all results/plateau/claims.md`. The drafters.variants are retrained by the
 # same stage with drafters.train.max_steps raised to plateau.max_steps and the plateau rule
 # (plateau.rule: held-out loss and acc_0 on the validation split) on, evaluated on the default

@@ -1,4 +1,4 @@
-"""The block-wise drafters against the KV-only chains (issue 22), from the result files only:
+"""The block-wise drafters against the KV-only chains, from the result files only:
 figures/blockwise.pdf (alpha_k by position, block vs chain, per depth), a table, and verdicts
 in the claims machinery (`claims.Judge`: 95% intervals, enough rounds, every seed agreeing).
 

@@ -1,4 +1,4 @@
-"""EAGLE-3.1's attention-drift switches against the other paradigms (issue 31), from the result
+"""EAGLE-3.1's attention-drift switches against the other paradigms, from the result
 files only: figures/drift.pdf (alpha_k against k, and the retention alpha_{K-1}/alpha_0, side by
 side), results/drift/drift.csv, and verdicts in the claims machinery (`claims.Judge`: paired 95%
 intervals on the shared anchors, enough anchors, the smallest detectable difference beside an

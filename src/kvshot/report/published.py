@@ -1,5 +1,5 @@
 """results/published/table.md: published EAGLE-3 heads' tau through kvshot's harness beside the
-publishers' own figures (issue 30; the heads are imported by `kvshot.published`)."""
+publishers' own figures (the heads are imported by `kvshot.published`)."""
 from __future__ import annotations
 
 import json
