@@ -210,13 +210,18 @@ def gradients(variants: list[Variant], path) -> None:
 def query_error(variants: list[Variant], path) -> None:
     _style()
     fig, ax = plt.subplots(figsize=(5.6, 3.8))
-    for v in variants:
-        cos = (v.train.get("eval") or {}).get("query_cosine")
-        if cos:
-            ax.plot(range(len(cos)), cos, marker="o", label=v.label)
+    for v in variants:   # every seed's held-out query cosine: their mean, their range shaded
+        seeds = v.train.get("per_seed") or [v.train]
+        curves = [c for c in ((s.get("eval") or {}).get("query_cosine") for s in seeds) if c]
+        if curves:
+            n = min(len(c) for c in curves)
+            cols = [[c[k] for c in curves] for k in range(n)]
+            line, = ax.plot(range(n), [sum(c) / len(c) for c in cols], marker="o",
+                            label=f"{v.label}, {len(curves)} seed{'s' if len(curves) > 1 else ''}")
+            ax.fill_between(range(n), [min(c) for c in cols], [max(c) for c in cols], color=line.get_color(), alpha=0.2)
     ax.set_xlabel("draft step k")
     ax.set_ylabel("cosine(drafter query, target query)")
-    ax.set_title("Query estimation: KV-path query vs the target's own")
+    ax.set_title("Query estimation: KV-path query vs the target's own\n(mean over seeds, range shaded)")
     ax.legend(fontsize=8)
     _save(fig, path)
 
