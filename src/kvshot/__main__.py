@@ -363,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:   # full disk, read-only or unreadable output: the traceback stays in the log
         traceback.print_exc()
         output = next((getattr(args, a) for a in ("out", "tables", "figure") if getattr(args, a, None)), None)
+        output = ", ".join(output) if isinstance(output, list) else output   # eval-stepwise: one --out per variant
         print(f"kvshot {args.stage}: error: {os_error_line(exc, output)}", file=sys.stderr)
         return 2
     except FloatingPointError as exc:   # NaN/inf in training: the message names the step and the checkpoint
