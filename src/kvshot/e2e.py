@@ -26,10 +26,11 @@ import torch
 from .config import Runtime
 from .data import DataError
 from .decode import DecodeResult, DraftSpec, plain_generate, speculative_generate
-from .io import read_json, write_json
+from .io import write_json
 from .progress import progress
 from .prompt_bootstrap import ratio
 from .stepwise import drafter_seed, drafter_variant
+from .eval_models import load_models
 from .references import read_continuations, repetition_share
 
 
@@ -151,21 +152,15 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: s
     (the seed-averaged drafter) with prompt x seed bootstrap intervals of tau and drafting time.
     Plain decoding runs once per prompt, interleaved with the speculative runs it is timed against.
     `prompts`: results/eval/natural.json (or a continuations file: its prompts in order)."""
-    from .drafters import load_drafter
-    from .target import load_target
-
-    from .drafters.attention import use_attention
-
     ecfg = cfg["eval"]["e2e"]
-    use_attention(cfg["drafters"].get("attention", "auto"))
     drafter_dirs = [drafter_dirs] if isinstance(drafter_dirs, (str, Path)) else list(drafter_dirs)
     cont = read_continuations(prompts)   # before the models load: a damaged file fails fast
     items = e2e_prompts(cont["items"], ecfg["prompts"], cfg["seed"])
     if not items:
         raise DataError(f"{prompts}: no prompts for eval.e2e")
-    target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
-    drafters = [load_drafter(d, rt.device, embed=target.model.embed_tokens.weight).eval() for d in drafter_dirs]
-    aux = tuple(read_json(features_index)["spec"]["aux_layers"]) if drafters[0].reads_aux_hidden else None
+    models = load_models(cfg, rt, target_dir, [drafter_dirs], features_index)
+    target, drafters = models.target, models.drafters[0]
+    aux = models.aux_for(drafters)
     n_new, eos = ecfg["max_new_tokens"], cont["eos_id"]
     modes = specs(cfg)
     if getattr(drafters[0], "block_wise", False):   # a block drafter drafts chains only (one forward per round)
@@ -240,26 +235,20 @@ def run_e2e_timing_stage(cfg: dict, rt: Runtime, reference_dirs: list[str], hybr
     within every prompt and seed, the order reversed from one prompt to the next, so the speed
     drift of a shared CPU falls on both alike. Per-prompt counts per variant and seed, and the
     hybrid's drafting time per round over EAGLE-3's with a paired prompt x seed interval."""
-    from .drafters import load_drafter
-    from .drafters.attention import use_attention
     from .prompt_bootstrap import paired_ratio_change
-    from .target import load_target
 
     ecfg = cfg["eval"]["e2e"]
     if len(reference_dirs) != len(hybrid_dirs):
         raise DataError(f"e2e-timing: {len(reference_dirs)} reference drafters but {len(hybrid_dirs)} hybrid "
                         "drafters: the seeds are paired, give one of each per seed")
-    use_attention(cfg["drafters"].get("attention", "auto"))
     cont = read_continuations(prompts)
     items = e2e_prompts(cont["items"], ecfg["prompts"], cfg["seed"])
     if not items:
         raise DataError(f"{prompts}: no prompts for eval.e2e")
-    target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
-    aux_layers = tuple(read_json(features_index)["spec"]["aux_layers"])
-    groups = {}
-    for dirs in (reference_dirs, hybrid_dirs):
-        drafters = [load_drafter(d, rt.device, embed=target.model.embed_tokens.weight).eval() for d in dirs]
-        groups[drafter_variant(dirs[0])] = (dirs, drafters, aux_layers if drafters[0].reads_aux_hidden else None)
+    models = load_models(cfg, rt, target_dir, [list(reference_dirs), list(hybrid_dirs)], features_index)
+    target, groups = models.target, {}
+    for dirs, drafters in zip((reference_dirs, hybrid_dirs), models.drafters):
+        groups[drafter_variant(dirs[0])] = (dirs, drafters, models.aux_for(drafters))
     if len(groups) != 2:
         raise DataError("e2e-timing: --reference and --hybrid name the same variant")
     names, chain = list(groups), specs(cfg)["chain"]

@@ -27,6 +27,7 @@ from .resample import AnchorPanel, panel, panel_record
 from .blockwise import any_unroll, is_block
 from .target import target_forward
 from .progress import progress
+from .eval_models import load_models
 from .references import natural_config, read_continuations, repetition_share
 
 
@@ -345,10 +346,6 @@ def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_d
     pooled with per-seed records); with natural/natural_out also the natural protocol. Several
     outputs: one per variant, all scored in one pass that runs the target once per batch for
     every drafter (eval.shared_target_pass)."""
-    from .drafters import load_drafter
-    from .drafters.attention import use_attention
-    from .target import load_target
-
     outs = [out_path] if isinstance(out_path, (str, Path)) else list(out_path)
     natural_outs = [natural_out] if isinstance(natural_out, (str, Path)) else list(natural_out or [])
     if bool(natural) != bool(natural_outs) or (natural and len(natural_outs) != len(outs)):
@@ -357,16 +354,14 @@ def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_d
     if natural and rollout < steps:
         raise ConfigError(f"config: eval.natural.rollout_tokens: {rollout} < drafters.ttt_steps {steps} "
                           f"(a chain of K steps needs K rollout tokens; K + 1 is the reference chain)")
-    use_attention(cfg["drafters"].get("attention", "auto"))
     protocols = {"continuations": (read_continuations(continuations)["items"], outs)}   # fail fast, before loading
     if natural:
         protocols["natural"] = (read_continuations(natural)["items"], natural_outs)
     drafter_dirs = [drafter_dirs] if isinstance(drafter_dirs, (str, Path)) else list(drafter_dirs)
     groups = variant_groups(drafter_dirs, outs)
-    target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
-    embed = target.model.embed_tokens.weight
-    drafters = [[(drafter_seed(d), load_drafter(d, rt.device, embed=embed)) for d in dirs] for dirs in groups]
-    aux = tuple(read_json(features_index)["spec"]["aux_layers"])
+    models = load_models(cfg, rt, target_dir, groups, features_index)
+    target, aux = models.target, models.aux_layers
+    drafters = [[(drafter_seed(d), m) for d, m in zip(dirs, loaded)] for dirs, loaded in zip(groups, models.drafters)]
     ecfg = cfg["eval"]
     summary: dict = {}
     for name, (items, paths) in protocols.items():
