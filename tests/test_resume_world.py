@@ -15,7 +15,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from kvshot.train import STOP_EXIT_CODE, launcher_args, train_variant
+from kvshot.launch import accelerate_args
+from kvshot.train import STOP_EXIT_CODE, train_variant
 
 from .conftest import REPO
 
@@ -47,7 +48,7 @@ def test_a_two_process_checkpoint_resumes_under_one_process(tiny, tiny_features,
     # leave a checkpoint of step 1
     cfg_file = tmp_path / "cfg.yaml"
     cfg_file.write_text(yaml.safe_dump(world_cfg(tiny)))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args(2), "-m", "kvshot", "train-drafter",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *accelerate_args(2), "-m", "kvshot", "train-drafter",
            "--config", str(cfg_file), "--threads", "1", "--variant", VARIANT,
            "--train-features", str(tiny_features["train"]), "--eval-features", str(tiny_features["eval"]),
            "--target", str(tiny["model"]), "--out", str(tmp_path / "cut"), "--runtime-minutes", "0.5"]

@@ -14,7 +14,8 @@ import yaml
 from safetensors.torch import load_file
 
 import kvshot.train as train_mod
-from kvshot.train import STOP_EXIT_CODE, StoppedForRuntime, launcher_args, train_variant
+from kvshot.launch import accelerate_args
+from kvshot.train import STOP_EXIT_CODE, StoppedForRuntime, train_variant
 
 from .conftest import REPO
 
@@ -288,7 +289,7 @@ def test_two_process_ddp_matches_one_process(tiny, tiny_features, tmp_path):
     run(tiny, tiny_features, cfg, tmp_path / "one", "hyb")
     cfg_file = tmp_path / "cfg.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args(2), "-m", "kvshot", "train-drafter", "--config", str(cfg_file), "--threads", "1",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *accelerate_args(2), "-m", "kvshot", "train-drafter", "--config", str(cfg_file), "--threads", "1",
            "--variant", "hyb", "--train-features", str(tiny_features["train"]),
            "--eval-features", str(tiny_features["eval"]), "--target", str(tiny["model"]), "--out", str(tmp_path / "two")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)

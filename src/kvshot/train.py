@@ -30,13 +30,6 @@ from .ttt import Unrolled, label_positions, step_losses, target_labels, weighted
 from .variants import build_variant, draft_vocab, held_back, param_groups, variant_config
 
 
-def launcher_args(num_processes: int) -> list[str]:
-    """`accelerate launch` flags for DDP: torchrun-style processes; each process's
-    Accelerator(cpu=True) then joins a gloo group on CPU (`--cpu` would run only one)."""
-    return ["--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no"]
-
-
 # ---------------------------------------------------------------- diagnostics
 
 def grad_norms(groups: dict[str, list]) -> dict[str, float]:
