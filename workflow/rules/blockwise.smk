@@ -32,11 +32,7 @@ use rule train_drafter as blockwise_train with:
 
 use rule eval_stepwise as blockwise_stepwise with:
     input:
-        drafters=drafter_seeds("results/blockwise/drafters/{variant}", SEEDS),
-        target="results/target/model",
-        continuations="results/eval/continuations.json",
-        natural="results/eval/natural.json",
-        features="results/features/eval",
+        **stepwise_inputs(drafter_seeds("results/blockwise/drafters/{variant}", SEEDS)),
     output:
         stepwise="results/blockwise/eval/{variant}/stepwise.json",
         natural="results/blockwise/eval/{variant}/stepwise_natural.json",
@@ -52,10 +48,7 @@ use rule eval_stepwise as blockwise_stepwise with:
 
 use rule eval_e2e as blockwise_e2e with:
     input:
-        drafters=drafter_seeds("results/blockwise/drafters/{variant}", SEEDS),
-        target="results/target/model",
-        prompts="results/eval/natural.json",
-        features="results/features/eval",
+        **decode_inputs(drafters=drafter_seeds("results/blockwise/drafters/{variant}", SEEDS)),
     output:
         "results/blockwise/eval/{variant}/e2e.json",
     wildcard_constraints:

@@ -207,6 +207,20 @@ def drafter_seeds(root, seeds):
     return folders
 
 
+def stepwise_inputs(drafters):
+    """eval_stepwise's inputs (and its `use rule` copies'): `drafters` (a folder pattern, or
+    drafter_seeds(...)), then the target, the reference chains and the features index it reads."""
+    return dict(drafters=drafters, target="results/target/model", continuations="results/eval/continuations.json",
+                natural="results/eval/natural.json", features="results/features/eval")
+
+
+def decode_inputs(**drafters):
+    """eval_e2e's and e2e_timing's inputs: the drafters (by their input names), then the target,
+    the natural-protocol prefixes they decode from and the features index."""
+    return drafters | dict(target="results/target/model", prompts="results/eval/natural.json",
+                           features="results/features/eval")
+
+
 def _timed_variant(paradigm):
     """The variant the claims give this role (report.results.roles): the shallowest hidden-only
     drafter (EAGLE-3), the first hybrid."""

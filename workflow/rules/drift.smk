@@ -30,11 +30,7 @@ use rule train_drafter as drift_train with:
 
 use rule eval_stepwise as drift_stepwise with:
     input:
-        drafters=drafter_seeds("results/drift/drafters/{variant}", SEEDS),
-        target="results/target/model",
-        continuations="results/eval/continuations.json",
-        natural="results/eval/natural.json",
-        features="results/features/eval",
+        **stepwise_inputs(drafter_seeds("results/drift/drafters/{variant}", SEEDS)),
     output:
         stepwise="results/drift/eval/{variant}/stepwise.json",
         natural="results/drift/eval/{variant}/stepwise_natural.json",
@@ -50,10 +46,7 @@ use rule eval_stepwise as drift_stepwise with:
 
 use rule eval_e2e as drift_e2e with:
     input:
-        drafters=drafter_seeds("results/drift/drafters/{variant}", SEEDS),
-        target="results/target/model",
-        prompts="results/eval/natural.json",
-        features="results/features/eval",
+        **decode_inputs(drafters=drafter_seeds("results/drift/drafters/{variant}", SEEDS)),
     output:
         "results/drift/eval/{variant}/e2e.json",
     wildcard_constraints:

@@ -26,11 +26,7 @@ rule target_continuations:
 
 rule eval_stepwise:
     input:
-        drafters=drafter_seeds("results/drafters/{variant}", SEEDS),   # common.smk
-        target="results/target/model",
-        continuations="results/eval/continuations.json",
-        natural="results/eval/natural.json",
-        features="results/features/eval",
+        **stepwise_inputs(drafter_seeds("results/drafters/{variant}", SEEDS)),   # common.smk
     output:
         stepwise="results/eval/{variant}/stepwise.json",
         natural="results/eval/{variant}/stepwise_natural.json",
@@ -58,11 +54,7 @@ rule eval_stepwise:
 
 rule eval_stepwise_shared:   # eval.shared_target_pass: every core variant in one job, one target forward a batch
     input:
-        drafters=expand("results/drafters/{variant}/seed{seed}", variant=SHARED_STEPWISE, seed=SEEDS),
-        target="results/target/model",
-        continuations="results/eval/continuations.json",
-        natural="results/eval/natural.json",
-        features="results/features/eval",
+        **stepwise_inputs(expand("results/drafters/{variant}/seed{seed}", variant=SHARED_STEPWISE, seed=SEEDS)),
     output:
         stepwise=expand("results/eval/{variant}/stepwise.json", variant=SHARED_STEPWISE),
         natural=expand("results/eval/{variant}/stepwise_natural.json", variant=SHARED_STEPWISE),
@@ -89,10 +81,7 @@ rule eval_stepwise_shared:   # eval.shared_target_pass: every core variant in on
 
 rule eval_e2e:
     input:
-        drafters=drafter_seeds("results/drafters/{variant}", SEEDS),
-        target="results/target/model",
-        prompts="results/eval/natural.json",   # real held-out assistant prefixes (the natural protocol's)
-        features="results/features/eval",
+        **decode_inputs(drafters=drafter_seeds("results/drafters/{variant}", SEEDS)),   # prompts: real held-out assistant prefixes (the natural protocol's)
     output:
         "results/eval/{variant}/e2e.json",
     wildcard_constraints:
@@ -118,11 +107,10 @@ rule eval_e2e:
 
 rule e2e_timing:
     input:
-        reference=drafter_seeds(f"results/drafters/{E2E_TIMED[0] if E2E_TIMED else 'none'}", SEEDS),
-        hybrid=drafter_seeds(f"results/drafters/{E2E_TIMED[-1] if E2E_TIMED else 'none'}", SEEDS),
-        target="results/target/model",
-        prompts="results/eval/natural.json",
-        features="results/features/eval",
+        **decode_inputs(
+            reference=drafter_seeds(f"results/drafters/{E2E_TIMED[0] if E2E_TIMED else 'none'}", SEEDS),
+            hybrid=drafter_seeds(f"results/drafters/{E2E_TIMED[-1] if E2E_TIMED else 'none'}", SEEDS),
+        ),
     output:
         "results/eval/e2e_timing.json",
     params:

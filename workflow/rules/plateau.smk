@@ -27,11 +27,7 @@ use rule train_drafter as plateau_train with:
 
 use rule eval_stepwise as plateau_stepwise with:
     input:
-        drafters=drafter_seeds("results/plateau/drafters/{variant}", PLATEAU_SEEDS),
-        target="results/target/model",
-        continuations="results/eval/continuations.json",
-        natural="results/eval/natural.json",
-        features="results/features/eval",
+        **stepwise_inputs(drafter_seeds("results/plateau/drafters/{variant}", PLATEAU_SEEDS)),
     output:
         stepwise="results/plateau/eval/{variant}/stepwise.json",
         natural="results/plateau/eval/{variant}/stepwise_natural.json",
@@ -47,10 +43,7 @@ use rule eval_stepwise as plateau_stepwise with:
 
 use rule eval_e2e as plateau_e2e with:
     input:
-        drafters=drafter_seeds("results/plateau/drafters/{variant}", PLATEAU_SEEDS),
-        target="results/target/model",
-        prompts="results/eval/natural.json",
-        features="results/features/eval",
+        **decode_inputs(drafters=drafter_seeds("results/plateau/drafters/{variant}", PLATEAU_SEEDS)),
     output:
         "results/plateau/eval/{variant}/e2e.json",
     wildcard_constraints:
@@ -65,11 +58,10 @@ use rule eval_e2e as plateau_e2e with:
 
 use rule e2e_timing as plateau_e2e_timing with:
     input:
-        reference=drafter_seeds(f"results/plateau/drafters/{E2E_TIMED[0] if E2E_TIMED else 'none'}", PLATEAU_SEEDS),
-        hybrid=drafter_seeds(f"results/plateau/drafters/{E2E_TIMED[-1] if E2E_TIMED else 'none'}", PLATEAU_SEEDS),
-        target="results/target/model",
-        prompts="results/eval/natural.json",
-        features="results/features/eval",
+        **decode_inputs(
+            reference=drafter_seeds(f"results/plateau/drafters/{E2E_TIMED[0] if E2E_TIMED else 'none'}", PLATEAU_SEEDS),
+            hybrid=drafter_seeds(f"results/plateau/drafters/{E2E_TIMED[-1] if E2E_TIMED else 'none'}", PLATEAU_SEEDS),
+        ),
     output:
         "results/plateau/eval/e2e_timing.json",
     log:

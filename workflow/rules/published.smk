@@ -35,11 +35,7 @@ rule import_published:
 
 use rule eval_stepwise as published_stepwise with:
     input:
-        drafters="results/published/{variant}/drafter",
-        target="results/target/model",
-        continuations="results/eval/continuations.json",
-        natural="results/eval/natural.json",
-        features="results/features/eval",
+        **stepwise_inputs("results/published/{variant}/drafter"),
     output:
         stepwise="results/published/{variant}/stepwise.json",
         natural="results/published/{variant}/stepwise_natural.json",
@@ -55,10 +51,7 @@ use rule eval_stepwise as published_stepwise with:
 
 use rule eval_e2e as published_e2e with:
     input:
-        drafters="results/published/{variant}/drafter",
-        target="results/target/model",
-        prompts="results/eval/natural.json",
-        features="results/features/eval",
+        **decode_inputs(drafters="results/published/{variant}/drafter"),
     output:
         "results/published/{variant}/e2e.json",
     wildcard_constraints:

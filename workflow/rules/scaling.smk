@@ -28,11 +28,7 @@ use rule train_drafter as scaling_train with:
 # drafters.seeds), both protocols.
 use rule eval_stepwise as scaling_stepwise with:
     input:
-        drafters=drafter_seeds("results/scaling/n{n}/drafters/{variant}", SCALING_SEEDS),
-        target="results/target/model",
-        continuations="results/eval/continuations.json",
-        natural="results/eval/natural.json",
-        features="results/features/eval",
+        **stepwise_inputs(drafter_seeds("results/scaling/n{n}/drafters/{variant}", SCALING_SEEDS)),
     output:
         stepwise="results/scaling/n{n}/eval/{variant}/stepwise.json",
         natural="results/scaling/n{n}/eval/{variant}/stepwise_natural.json",
