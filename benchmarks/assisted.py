@@ -25,12 +25,13 @@ from pathlib import Path
 
 import torch
 
+from kvshot.capture.target import load_target
 from kvshot.config import read_config, runtime
-from kvshot.decode import DraftSpec, speculative_generate
+from kvshot.core.io import read_json
 from kvshot.drafters import load_drafter
 from kvshot.drafters.standalone import to_hf
-from kvshot.io import read_json
-from kvshot.target import load_target
+from kvshot.evaluate.decode import speculative_generate
+from kvshot.evaluate.draft_tree import DraftSpec
 
 RATIO_TARGET = 1.0
 

@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
+from kvshot.capture.target import load_target
 from kvshot.config import read_config, runtime
-from kvshot.decode import DraftSpec, plain_generate, speculative_generate
+from kvshot.core.io import read_json
 from kvshot.drafters import load_drafter
-from kvshot.io import read_json
-from kvshot.metrics import mat
-from kvshot.target import load_target
+from kvshot.evaluate.decode import plain_generate, speculative_generate
+from kvshot.evaluate.draft_tree import DraftSpec
+from kvshot.stats.metrics import mat
 
 RATIO_TARGET = 0.85
 

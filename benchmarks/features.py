@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+from kvshot.capture.features import capture_split, length_batches, pad_batch, tokenize_split
+from kvshot.capture.target import load_target
 from kvshot.config import read_config, runtime
-from kvshot.features import capture_split, length_batches, pad_batch, tokenize_split
-from kvshot.target import load_target
-from kvshot.tokenizer import load_tokenizer
+from kvshot.data.tokenizer import load_tokenizer
 
 OVERHEAD_TARGET = 1.10
 

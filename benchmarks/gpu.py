@@ -47,19 +47,21 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from kvshot.blockwise import objective, training_forward
+from kvshot.capture.features import INDEX, TOKEN_KEYS, open_features
+from kvshot.capture.shard_writer import ShardWriter
+from kvshot.capture.target import target_forward
 from kvshot.checks import all_variants
 from kvshot.config import Runtime, drafter_autocast, feature_spec, read_config
-from kvshot.decode import DraftSpec, plain_generate, speculative_generate
+from kvshot.core.io import write_json
 from kvshot.drafters import attention as attention_backends
 from kvshot.drafters.attention import pick_backend, use_attention
-from kvshot.features import INDEX, TOKEN_KEYS, open_features, pad_batch
-from kvshot.io import write_json
-from kvshot.shard_writer import ShardWriter
-from kvshot import stepwise, train
-from kvshot.target import target_forward
-from kvshot.train import build_variant, variant_config
-from kvshot.ttt import TTTUnroll, label_positions, step_losses, target_labels, weighted_loss
+from kvshot.drafters.unroll import TTTUnroll, label_positions, training_forward
+from kvshot.evaluate import stepwise
+from kvshot.evaluate.decode import plain_generate, speculative_generate
+from kvshot.evaluate.draft_tree import DraftSpec
+from kvshot.train import loop as train
+from kvshot.train.objective import objective, step_losses, target_labels, weighted_loss
+from kvshot.train.variants import build_variant, variant_config
 from ttt import matmul_peak   # benchmarks/ttt.py: this script's folder is on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -240,7 +242,7 @@ def cost_shape(shape: str) -> dict:
 
 def online_source(folder: Path, target, samples: int, seq: int, fcfg: dict, rt: Runtime):
     """An online feature folder of random token sequences (the aux layers of config section
-    `fcfg`, every KV layer), read through kvshot.features as the trainer reads it: every batch
+    `fcfg`, every KV layer), read through kvshot.capture.features as the trainer reads it: every batch
     is a target forward."""
     n = target.config.num_hidden_layers
     spec = feature_spec({"aux_layers": fcfg.get("aux_layers"), "aux_rule": fcfg.get("aux_rule", "relative"),

@@ -1,6 +1,6 @@
 """Why a rate needs `eval.min_sequences` distinct sequences as well as `eval.min_rounds` anchors:
 the coverage of the sequence-bootstrap interval of alpha_k by the number of sequences (clusters)
-that reach step k, measured on clustered synthetic chains with a known truth (kvshot.power,
+that reach step k, measured on clustered synthetic chains with a known truth (kvshot.stats.power,
 the same `intervals` the evaluation calls). docs/statistics.md ("Minimum sequences") quotes the
 table this prints.
 
@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from kvshot.power import coverage_by_sequences
+from kvshot.stats.power import coverage_by_sequences
 
 EAGLE = [0.62, 0.78, 0.80, 0.80, 0.80, 0.80, 0.80]   # tests/test_coverage.py's shape
 BINS = [(1, 1), (2, 2), (3, 4), (5, 9), (10, 19), (20, 10**9)]

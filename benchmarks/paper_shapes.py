@@ -1,7 +1,7 @@
 """Peak memory per rank and FLOPs of every GPU rule of config/paper.yaml at its real shapes
 (Qwen3-8B bf16 target, T = 2,048, K = 7, draft vocabulary 32k, 8 DDP ranks), measured on a
-CPU by running the real kvshot code with fake float tensors (`kvshot.shapes`,
-`kvshot.shape_rules`), and the GPU-hours those FLOPs imply at an assumed MFU.
+CPU by running the real kvshot code with fake float tensors (`kvshot.paper_shapes.shapes`,
+`kvshot.paper_shapes.shape_rules`), and the GPU-hours those FLOPs imply at an assumed MFU.
 
     python benchmarks/paper_shapes.py                      # every rule and variant (9-26 min on 2 cores)
     python benchmarks/paper_shapes.py --only train --variants kv-d1 standalone
@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvshot.config import read_config  # noqa: E402
-from kvshot.shape_rules import (CUDA_FIXED_GB, FRAGMENTATION, GPU_GB, HEADROOM_GB, PaperShapes, Row,  # noqa: E402
-                                ddp_buckets_alias_grads, gpu_limit_gb)
+from kvshot.paper_shapes.shape_rules import (CUDA_FIXED_GB, FRAGMENTATION, GPU_GB, HEADROOM_GB, PaperShapes, Row,
+                                             ddp_buckets_alias_grads, gpu_limit_gb)
 
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_TFLOPS = 989.0   # H100 SXM dense bf16

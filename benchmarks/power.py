@@ -1,5 +1,5 @@
 """How many natural anchors the paper config needs to decide its own claims, by simulation with
-the same intervals the report uses (kvshot.power, kvshot.resample).
+the same intervals the report uses (kvshot.stats.power, kvshot.stats.resample).
 
 The paper's Qwen3-8B numbers fix the shapes: EAGLE-3 alpha_0 = 0.469 / 0.735 = 0.638 falling
 geometrically to alpha_6 = 0.469 (MAT about 2.4); 4-layer KV-only alpha_6 = 0.495 from
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from kvshot.power import Design, decided
+from kvshot.stats.power import Design, decided
 
 
 def geometric(alpha_0: float, alpha_6: float, steps: int = 7) -> list[float]:

@@ -34,13 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
+from kvshot.capture.features import open_features
+from kvshot.capture.target import build_target, load_target, target_forward
 from kvshot.config import read_config, runtime
 from kvshot.drafters.skeleton import Attention
-from kvshot.features import open_features
-from kvshot.target import build_target, load_target, target_forward
-from kvshot.train import build_variant
-from kvshot.ttt import (TTTUnroll, label_positions, reference_unroll, shift, step_losses, target_labels,
-                        weighted_loss)
+from kvshot.drafters.unroll import TTTUnroll, label_positions, reference_unroll, shift
+from kvshot.train.objective import step_losses, target_labels, weighted_loss
+from kvshot.train.variants import build_variant
 
 SPEEDUP_TARGET, PEAK_SHARE_TARGET = 2.0, 0.40
 
@@ -126,7 +126,7 @@ def reference_loss(model, batch, head_w, steps, decay):
 
 
 def ours_loss(model, batch, head_w, steps, decay):
-    """The trainer's step: labels once per batch, the unroll DDP wraps (`ttt.TTTUnroll`)."""
+    """The trainer's step: labels once per batch, the unroll DDP wraps (`unroll.TTTUnroll`)."""
     labels = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
     losses, *_ = step_losses(model, TTTUnroll(model)(batch, steps), batch, labels)
     return weighted_loss(losses, decay)

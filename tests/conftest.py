@@ -58,9 +58,9 @@ def smoke_workdir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """Paths of a tiny data split, tokenizer and target produced by the real stage code."""
+    from kvshot.capture.target import run_target_stage
     from kvshot.config import runtime
-    from kvshot.target import run_target_stage
-    from kvshot.tokenizer import build_tokenizer
+    from kvshot.data.tokenizer import build_tokenizer
 
     root = tmp_path_factory.mktemp("tiny")
     cfg = tiny_config()
@@ -77,7 +77,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_features(tiny):
     """Offline features of the tiny target for both splits."""
-    from kvshot.features import capture_split
+    from kvshot.capture.features import capture_split
 
     out = {}
     for split in ("train", "eval"):
@@ -90,9 +90,9 @@ def tiny_features(tiny):
 def drafter_world(tiny, tiny_features):
     """What a test drafter is built from: (the tiny train features, the tiny target, a
     150-token draft vocabulary)."""
-    from kvshot.features import open_features
-    from kvshot.target import load_target
-    from kvshot.train import draft_vocab
+    from kvshot.capture.features import open_features
+    from kvshot.capture.target import load_target
+    from kvshot.train.variants import draft_vocab
 
     src = open_features(tiny_features["train"])
     target = load_target(tiny["model"], tiny["rt"])
@@ -105,7 +105,7 @@ def build_test_drafter(world, variant: dict, seed: int = 0):
     get a little noise, so that every path matters to the output."""
     import torch
 
-    from kvshot.train import build_variant
+    from kvshot.train.variants import build_variant
 
     src, target, d2t = world
     torch.manual_seed(seed)
@@ -129,8 +129,8 @@ def tiny_llama(tiny):
     """`tiny` with a Llama target (LLAMA_ARCH) pretrained by the same stage code."""
     import copy
 
+    from kvshot.capture.target import run_target_stage
     from kvshot.config import validate_config
-    from kvshot.target import run_target_stage
 
     root = tiny["root"] / "llama"
     cfg = copy.deepcopy(tiny["cfg"])
@@ -143,7 +143,7 @@ def tiny_llama(tiny):
 
 @pytest.fixture(scope="session")
 def tiny_llama_features(tiny_llama):
-    from kvshot.features import capture_split
+    from kvshot.capture.features import capture_split
 
     out = {}
     for split in ("train", "eval"):

@@ -115,7 +115,7 @@ def _snapshot(cache: Path, kind: str, repo: str, config: str = PAPER) -> Path:
 
 def real_conversations(n: int, max_chars: int = 400) -> list[list[dict]]:
     """The first n multi-role conversations of the packaged ShareGPT file, turns cut short."""
-    from kvshot.data import LoadStats, iter_sharegpt_file, sharegpt_package_path
+    from kvshot.data.sources import LoadStats, iter_sharegpt_file, sharegpt_package_path
 
     convs = []
     for messages in iter_sharegpt_file(sharegpt_package_path(), LoadStats("fixture"), max_records=4 * n):
@@ -150,7 +150,7 @@ def build_hub_cache(root: Path, conversations: int = 160, vocab_size: int = 512,
     import yaml
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from kvshot.shape_rules import QWEN3_ARCHS
+    from kvshot.paper_shapes.shape_rules import QWEN3_ARCHS
 
     from .conftest import REPO
 

@@ -1,5 +1,5 @@
 """Every attention backend and every optimized unroll against the plain references
-(`attention.reference_attention`, `ttt.reference_unroll`): outputs, losses and gradients,
+(`attention.reference_attention`, `unroll.reference_unroll`): outputs, losses and gradients,
 fp32 to 1e-5 relative, bf16 within its rounding; `auto`'s choice; the GPU backends' mask
 function; and what the memory-bound backend keeps for its backward."""
 from __future__ import annotations
@@ -213,7 +213,8 @@ def loss_and_grads(model, batch, head, backend: str, reference_loop: bool):
     """The TTT loss (K = 4) and every parameter's gradient: the plain K-step loop on every
     anchor, or the trainer's unroll (packing; one call for every step of the KV-only drafter;
     one pass for the standalone LM), with the attention backend `backend`."""
-    from kvshot.ttt import label_positions, reference_unroll, step_losses, target_labels, unroll, weighted_loss
+    from kvshot.drafters.unroll import label_positions, reference_unroll, unroll
+    from kvshot.train.objective import step_losses, target_labels, weighted_loss
 
     attn.use_attention(backend)
     try:

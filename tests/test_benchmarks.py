@@ -8,13 +8,14 @@ import json
 
 import pytest
 
-from kvshot.chat import IM_START
-from kvshot.data import DataError, normalize_record
+from kvshot.core.io import DataError
+from kvshot.data.chat import IM_START
+from kvshot.data.sources import normalize_record
 
 
 def test_humaneval_loader_reads_the_packaged_file_through_the_chat_template(tiny):
-    from kvshot.benchmarks import benchmark_prompts, humaneval_problems
-    from kvshot.tokenizer import load_tokenizer
+    from kvshot.data.tokenizer import load_tokenizer
+    from kvshot.evaluate.benchmarks import benchmark_prompts, humaneval_problems
 
     problems = humaneval_problems()
     assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
@@ -28,7 +29,7 @@ def test_humaneval_loader_reads_the_packaged_file_through_the_chat_template(tiny
 
 
 def test_heldout_benchmark_is_the_eval_splits_first_user_turns(tiny):
-    from kvshot.benchmarks import benchmark_conversations
+    from kvshot.evaluate.benchmarks import benchmark_conversations
 
     convs = benchmark_conversations({"name": "sharegpt", "kind": "heldout"}, str(tiny["eval"]), 2)
     first = [json.loads(line)["messages"] for line in tiny["eval"].read_text().splitlines()[:2]]
@@ -49,9 +50,9 @@ def test_prompt_only_schemas_make_one_user_message():
 @pytest.fixture(scope="module")
 def bench_run(tiny, tiny_features, tmp_path_factory):
     """The stage on two hybrid drafters (2 training seeds, a few steps), twice: a rerun must repeat."""
-    from kvshot.benchmarks import run_benchmarks_stage
     from kvshot.config import runtime
-    from kvshot.train import train_variant
+    from kvshot.evaluate.benchmarks import run_benchmarks_stage
+    from kvshot.train.loop import train_variant
 
     root = tmp_path_factory.mktemp("bench")
     cfg = json.loads(json.dumps(tiny["cfg"]))
@@ -131,7 +132,7 @@ def test_table_has_benchmark_columns_and_temperature_row_groups(bench_run, tmp_p
 
 LOAD_PAPER_SETS = """
 import json, sys, yaml
-from kvshot.benchmarks import benchmark_conversations
+from kvshot.evaluate.benchmarks import benchmark_conversations
 sets = yaml.safe_load(open(sys.argv[1]))["eval"]["e2e"]["benchmarks"]["sets"]
 print(json.dumps({b["name"]: benchmark_conversations(b, "unused.jsonl", 3) for b in sets}))
 """

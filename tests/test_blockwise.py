@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from kvshot.blockwise import block_unroll, objective
 from kvshot.drafters.attention import use_attention
-from kvshot.train import grad_norms, param_groups
-from kvshot.ttt import (assistant_tokens, context, label_positions, shift, step_losses, target_labels, unroll,
-                        weighted_loss)
+from kvshot.drafters.unroll import assistant_tokens, block_unroll, context, label_positions, unroll
+from kvshot.train.loop import grad_norms
+from kvshot.train.objective import objective, step_losses, target_labels, weighted_loss
+from kvshot.train.variants import param_groups
 
 from .conftest import build_test_drafter
 from .test_train import die_at_call
@@ -299,7 +299,7 @@ def test_wk_wv_gradient_against_the_kv_chain(drafter_world):
 def test_objective_and_default_block_size(tiny):
     """The trainer's objective: a block's positions and block_position_decay (default uniform);
     the default block drafts as far as the K-step chain (S = K + 1)."""
-    from kvshot.train import variant_config
+    from kvshot.train.variants import variant_config
 
     cfg = copy.deepcopy(tiny["cfg"])
     cfg["blockwise"] = {"variants": [{"name": "bk", "paradigm": "block", "context": "kv", "layers": 1}]}
@@ -337,7 +337,7 @@ def test_trainer_runs_the_block_objective_and_resumes_bit_identically(tiny, tiny
 
     from safetensors.torch import load_file
 
-    import kvshot.train as train_mod
+    import kvshot.train.loop as train_mod
 
     cfg = block_cfg(tiny)
     K = cfg["drafters"]["ttt_steps"]
@@ -374,7 +374,7 @@ def test_trainer_runs_the_block_objective_and_resumes_bit_identically(tiny, tiny
 def drafted_alone(model, target, ids: torch.Tensor, t: int, aux_layers) -> list[int]:
     """The block after anchor t as a decoder drafts it: the target's context of ids[:t+1] only,
     one anchor row, one `draft_block` call; block position k's greedy token (target ids)."""
-    from kvshot.target import target_forward
+    from kvshot.capture.target import target_forward
 
     prefix = ids[None, : t + 1]
     out = target_forward(target, prefix, torch.ones_like(prefix), aux_layers, tuple(model.cfg.kv_layers))
@@ -392,8 +392,8 @@ def test_stepwise_scores_block_position_k_as_chain_step_k(drafter_world, name):
     """chain_correct on a block drafter: every anchor's drafted tokens are its block's greedy
     tokens as a decoder drafts them alone, compared with the target's greedy tokens; chain
     acceptance stops at the first wrong position, and the summary has K = P steps."""
-    from kvshot.metrics import chain_counts
-    from kvshot.stepwise import chain_correct, stepwise
+    from kvshot.evaluate.stepwise import chain_correct, stepwise
+    from kvshot.stats.metrics import chain_counts
 
     src, target, _ = drafter_world
     model = make(drafter_world, name)
@@ -430,8 +430,8 @@ def trained_blocks(drafter_world):
     """Each block variant after a few block-objective steps on the target's own greedy
     continuations of the test prompts (acceptance above zero, so that rounds accept drafts and
     the cache handling is exercised)."""
-    from kvshot.features import pad_batch
-    from kvshot.target import target_forward
+    from kvshot.capture.features import pad_batch
+    from kvshot.capture.target import target_forward
 
     src, target, _ = drafter_world
     samples = []
@@ -465,7 +465,8 @@ def test_block_decoding_is_lossless_one_forward_per_round(drafter_world, trained
     """Greedy speculative decoding with a block drafter (one draft_block per round, verified as
     a chain) gives exactly target.generate(do_sample=False)'s tokens; every round drafts the
     whole block; some drafts are accepted; trees are refused; sampling runs."""
-    from kvshot.decode import DraftSpec, speculative_generate
+    from kvshot.evaluate.decode import speculative_generate
+    from kvshot.evaluate.draft_tree import DraftSpec
 
     src, target, _ = drafter_world
     model = trained_blocks[name]

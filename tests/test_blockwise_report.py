@@ -16,10 +16,10 @@ def test_stages_run_a_saved_block_drafter(tiny, tiny_features, tmp_path):
     import json
 
     from kvshot.drafters import load_drafter
-    from kvshot.e2e import run_e2e_stage
-    from kvshot.stepwise import run_stepwise_stage
-    from kvshot.references import run_continuations_stage
-    from kvshot.train import train_variant
+    from kvshot.evaluate.e2e import run_e2e_stage
+    from kvshot.evaluate.references import run_continuations_stage
+    from kvshot.evaluate.stepwise import run_stepwise_stage
+    from kvshot.train.loop import train_variant
 
     cfg = block_cfg(tiny, max_steps=4, eval_every=0)
     K = cfg["drafters"]["ttt_steps"]
@@ -52,7 +52,7 @@ BLOCK_SPEC = {"block-kv-d1": ("kv", 1), "block-kv-d2": ("kv", 2), "block-kv-d4":
 def write_block_results(root, block_alphas: dict, block_grad: float = 0.4, chain_grad: float = 0.05):
     """The default run's KV-only chains under root/ and the block variants under root/blockwise/,
     in the real file schemas (tests/test_claims.py's writers)."""
-    from kvshot.io import write_json
+    from kvshot.core.io import write_json
 
     from .test_claims import e2e_record, stepwise_record, train_log
 
@@ -110,7 +110,7 @@ def test_ablation_is_judged_against_its_plain_twin(tmp_path, entry, claim):
     (block-kv-d2 stays the d2 block)."""
     import csv
 
-    from kvshot.io import write_json
+    from kvshot.core.io import write_json
     from kvshot.report.blockwise import run_blockwise_report
     from kvshot.report.claims import NOT_REPRODUCED, REPRODUCED
 
@@ -165,7 +165,7 @@ def test_blockwise_is_its_own_snakemake_target(tmp_path):
 def write_remedies(root, remedies: dict, hybrid_mat_alphas=(0.85, 0.78, 0.72, 0.68, 0.66, 0.65, 0.64)):
     """The default hybrid (its gate share collapsing early, 0.2 -> 0.005) under root/ and the remedies
     {name: (alphas, final gate share)} under root/blockwise/."""
-    from kvshot.io import write_json
+    from kvshot.core.io import write_json
 
     from .test_claims import e2e_record, stepwise_record, train_log
 
@@ -208,8 +208,8 @@ def test_kv_warmup_trains_the_hybrids_kv_branch_alone_first(tiny, tiny_features,
     from safetensors.torch import load_file
 
     from kvshot.config import ConfigError
-    from kvshot.train import train_variant
-    from kvshot.variants import KV_BRANCH
+    from kvshot.train.loop import train_variant
+    from kvshot.train.variants import KV_BRANCH
 
     cfg = block_cfg(tiny, eval_every=0)
     cfg["blockwise"]["remedies"] = [{"name": "warm", "paradigm": "hybrid", "layers": 1, "kv_warmup_steps": 2}]
@@ -242,7 +242,7 @@ def test_readme_carries_the_blockwise_block(tmp_path):
     up = {f"block-kv-d{d}": [min(a + 0.15, 0.99) for a in CHAIN_ALPHAS[f"kv-d{d}"]] for d in (1, 2, 4)}
     up["block-hidden"] = [0.70, 0.60, 0.50, 0.40, 0.35, 0.30, 0.25]
     root = write_block_results(tmp_path, up)
-    from kvshot.io import write_json
+    from kvshot.core.io import write_json
 
     from .test_claims import stepwise_record
     few = stepwise_record(up["block-hidden"], "block", 1, rounds=40)   # 40 rounds: too few reach step 6

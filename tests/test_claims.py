@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvshot.io import write_json
-from kvshot.metrics import chain_summary
+from kvshot.core.io import write_json
+from kvshot.evaluate.stepwise import by_context
 from kvshot.report.claims import INCONCLUSIVE, MISSING, NOT_REPRODUCED, REPRODUCED, evaluate_claims
 from kvshot.report.e2e_claim import OVERHEAD_BAND
-from kvshot.resample import panel, panel_record
 from kvshot.report.results import PAPER, load_variants
-from kvshot.stepwise import by_context
+from kvshot.stats.metrics import chain_summary
+from kvshot.stats.resample import panel, panel_record
 
 NAMES = ["eagle3", "kv-d1", "kv-d2", "kv-d4", "hybrid", "standalone"]
 SPEC = {"eagle3": ("hidden", 1), "kv-d1": ("kv", 1), "kv-d2": ("kv", 2), "kv-d4": ("kv", 4), "hybrid": ("hybrid", 1),
@@ -350,7 +350,7 @@ def test_diagnostics_need_every_seed_to_agree(tmp_path):
 
 def test_decide_reads_the_paired_interval():
     from kvshot.report.claims import decide
-    from kvshot.resample import Interval
+    from kvshot.stats.resample import Interval
 
     at = lambda lo, hi: Interval(0.0, lo, hi, 0.1, 50, 0.3)   # noqa: E731
     assert decide(at(0.01, 0.2)) == REPRODUCED

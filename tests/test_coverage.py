@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvshot.power import Design, coverage, decided, shifted, truth
+from kvshot.stats.power import Design, coverage, decided, shifted, truth
 
 EAGLE = [0.62, 0.78, 0.80, 0.80, 0.80, 0.80, 0.80]   # shaped like the default run's drafters
 OTHER = [0.56, 0.70, 0.75, 0.75, 0.75, 0.75, 0.75]

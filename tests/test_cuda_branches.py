@@ -14,7 +14,7 @@ import torch
 
 import kvshot.drafters.attention as attn
 from kvshot.config import Runtime
-from kvshot.train import setup, train_step
+from kvshot.train.loop import setup, train_step
 
 from .test_attention_backends import case, rel_err, run
 
@@ -131,8 +131,9 @@ def test_a_training_step_through_the_cuda_branches_equals_the_reference(tiny, ti
 def test_decoding_through_the_cuda_branches_is_lossless(tiny, drafter_world, paradigm):
     """Speculative decoding as CUDA runs it (`auto` picks sdpa for the drafter's rows, in
     CUDA's layout; bf16 autocast): the output is the target's greedy text."""
-    from kvshot.decode import DraftSpec, plain_generate, speculative_generate
-    from kvshot.target import load_target
+    from kvshot.capture.target import load_target
+    from kvshot.evaluate.decode import plain_generate, speculative_generate
+    from kvshot.evaluate.draft_tree import DraftSpec
 
     from .conftest import build_test_drafter
 

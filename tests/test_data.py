@@ -1,4 +1,4 @@
-"""Tests for kvshot.data: streaming ShareGPT parser, hub loaders, split, chat format, tokenization."""
+"""Tests for kvshot.data.sources: streaming ShareGPT parser, hub loaders, split, chat format, tokenization."""
 from __future__ import annotations
 
 import json
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from kvshot import data
-from kvshot.data import (CHAT_TEMPLATE, IM_END, DataError, LoadStats, iter_hub_dataset,
-                         iter_sharegpt_file, load_sources, normalize_record, prepare_data,
-                         read_jsonl, render_chat, sharegpt_package_path, split_conversations,
-                         tokenize_conversation)
+from kvshot.core.io import DataError
+from kvshot.data import sources as data
+from kvshot.data.chat import CHAT_TEMPLATE, IM_END, render_chat, tokenize_conversation
+from kvshot.data.sources import (LoadStats, iter_hub_dataset, iter_sharegpt_file, load_sources, normalize_record,
+                                 prepare_data, read_jsonl, sharegpt_package_path, split_conversations)
 
 
 def sg(i: int, *turns: tuple[str, str]) -> dict:
@@ -406,7 +406,7 @@ def template_ids(tok, conv, **kw) -> list[int]:
 
 
 def test_own_chat_template_renders_training_text_and_prompts(qwen_like_tokenizer):
-    from kvshot.data import encode_prompt
+    from kvshot.data.chat import encode_prompt
 
     tok = qwen_like_tokenizer
     think = "<think>\n\n</think>\n\n"
@@ -436,7 +436,7 @@ def test_own_chat_template_renders_training_text_and_prompts(qwen_like_tokenizer
 
 
 def test_embedded_template_keeps_chatml(tiny_tokenizer):
-    from kvshot.data import encode_prompt, render_conversation
+    from kvshot.data.chat import encode_prompt, render_conversation
 
     tiny_tokenizer.chat_template = CHAT_TEMPLATE
     for conv in CONVS:
@@ -504,7 +504,7 @@ def test_read_jsonl_errors(tmp_path):
 def test_prepare_data_streams_the_reference_split(tmp_path, monkeypatch):
     import functools
 
-    from kvshot.ranked_writer import RankedWriter
+    from kvshot.core.ranked_writer import RankedWriter
 
     records = [sg(i, ("human", f"q{i} \u4e2d"), ("gpt", "a" * (i % 5) + "\n\tb")) for i in range(57)]
     sources = [{"kind": "sharegpt_file", "path": str(write_array(tmp_path / "a.json", records[:40]))},
@@ -550,7 +550,7 @@ def test_normalized_key_matches_near_exact_copies():
 def test_prepare_data_removes_duplicates_before_the_split(tmp_path, monkeypatch):
     import functools
 
-    from kvshot.ranked_writer import RankedWriter
+    from kvshot.core.ranked_writer import RankedWriter
 
     records = [sg(i, ("human", f"q{i}"), ("gpt", f"answer {i % 23}")) for i in range(40)]
     records += [sg(100 + i, ("user", f"Q{i} "), ("gpt", f"Answer  {i % 23}")) for i in range(0, 40, 3)]  # near copies
@@ -576,7 +576,7 @@ def test_prepare_data_removes_duplicates_before_the_split(tmp_path, monkeypatch)
 
 
 def test_ranked_writer_orders_and_is_all_or_nothing(tmp_path):
-    from kvshot.ranked_writer import RankedWriter
+    from kvshot.core.ranked_writer import RankedWriter
 
     w = RankedWriter(tmp_path / "x.jsonl", 10, bucket_size=4)
     for r in (7, 3, 9, 0, 5, 1, 8, 2, 6, 4):
@@ -609,7 +609,8 @@ def test_hub_revision_is_passed(monkeypatch):
 HUB_SCRIPT = """
 import json, sys
 import datasets
-from kvshot.data import DataError, LoadStats, iter_hub_dataset
+from kvshot.core.io import DataError
+from kvshot.data.sources import LoadStats, iter_hub_dataset
 name, split, files, revision = json.loads(sys.argv[1])
 try:
     datasets.load_dataset(name, split=split, data_files=files)

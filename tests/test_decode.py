@@ -9,16 +9,18 @@ import math
 import pytest
 import torch
 
-from kvshot.data import read_jsonl, render_chat
-from kvshot import decode, draft_tree
-from kvshot.decode import (Draft, DraftSpec, drafter_context, draft, keep_path, plain_generate,
-                           sample_without_replacement, speculative_generate, tree_attention, verify_greedy,
-                           verify_sampling)
-from kvshot.features import open_features, pad_batch
-from kvshot.target import load_target, pack_blocks, pretrain, target_forward, tokenized
-from kvshot.tokenizer import load_tokenizer
-from kvshot.train import build_variant, draft_vocab
-from kvshot.ttt import step_losses, target_labels, unroll, weighted_loss
+from kvshot.capture.features import open_features, pad_batch
+from kvshot.capture.target import load_target, pack_blocks, pretrain, target_forward, tokenized
+from kvshot.data.chat import render_chat
+from kvshot.data.sources import read_jsonl
+from kvshot.data.tokenizer import load_tokenizer
+from kvshot.drafters.unroll import unroll
+from kvshot.evaluate import decode, draft_tree
+from kvshot.evaluate.decode import drafter_context, keep_path, plain_generate, speculative_generate
+from kvshot.evaluate.draft_tree import (Draft, DraftSpec, draft, sample_without_replacement, tree_attention,
+                                        verify_greedy, verify_sampling)
+from kvshot.train.objective import step_losses, target_labels, weighted_loss
+from kvshot.train.variants import build_variant, draft_vocab
 
 K = 4                                              # chain length and tree depth
 CHAIN = DraftSpec(depth=K)
@@ -323,10 +325,10 @@ def test_chain_acceptance_equals_teacher_forced_unroll(world, variant):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_stepwise_evaluation_agrees_with_the_decoder(world, variant):
-    """The step-wise evaluator's chain simulation (kvshot.stepwise, drafting on its own
+    """The step-wise evaluator's chain simulation (kvshot.evaluate.stepwise, drafting on its own
     outputs) predicts, for every anchor a decoding round starts from, exactly the number of
     draft tokens the real decoder gets accepted there."""
-    from kvshot.stepwise import chain_correct
+    from kvshot.evaluate.stepwise import chain_correct
 
     drafter = world["drafters"][variant]
     items = [{"prompt": p, "continuation": reference(world, i, MAX_NEW + K + 2, eos=False)}
@@ -670,7 +672,7 @@ def test_plain_generate_records_the_top_two_logits(world):
 # ---------------------------------------------------------------- e2e: divergences, near-ties, real errors
 
 def test_ulp_of_each_dtype():
-    from kvshot.e2e import ulp
+    from kvshot.evaluate.e2e import ulp
 
     assert ulp(1.0, torch.bfloat16) == 2 ** -7 and ulp(-3.0, torch.bfloat16) == 2 ** -6
     assert ulp(20.0, torch.bfloat16) == 2 ** -3 and ulp(1.0, torch.float32) == 2 ** -23
@@ -679,7 +681,7 @@ def test_ulp_of_each_dtype():
 def test_e2e_classifies_an_induced_near_tie_and_a_real_error(world):
     import copy
 
-    from kvshot.e2e import match_summary, ulp
+    from kvshot.evaluate.e2e import match_summary, ulp
 
     target = copy.deepcopy(world["target"])
     x = torch.tensor([world["prompts"][0]])

@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from kvshot.diagnostics import GradientPositions, attention_diagnostics, gradient_positions, own_keys_of_rows
+from kvshot.core.io import write_json
 from kvshot.drafters.attention import reference_attention
 from kvshot.drafters.skeleton import Diagonal
-from kvshot.io import write_json
 from kvshot.report.claims import INCONCLUSIVE, MISSING, NOT_REPRODUCED, REPRODUCED, evaluate_claims
 from kvshot.report.diagnostic_rules import gate_collapse
 from kvshot.report.results import load_variants
+from kvshot.train.diagnostics import GradientPositions, attention_diagnostics, gradient_positions, own_keys_of_rows
 
 from .test_claims import ALPHAS, NAMES, SPEC, e2e_record, stepwise_record, train_log
 from .test_drafters import K, make
@@ -205,7 +205,7 @@ def test_probe_counts_where_the_real_backward_sends_gradient(drafter_world):
     so its W_K/W_V draw gradient from few of the positions its W_Q/W_O do; own keys that take
     the attention (W_K = W_Q, k_norm scaled up) raise the ratio and the own-key gradient share.
     The probe leaves no patched method behind and measures nothing when disabled."""
-    from kvshot.ttt import unroll
+    from kvshot.drafters.unroll import unroll
 
     batch = drafter_world[0].batch([0, 1])
 
@@ -255,7 +255,7 @@ def test_a_block_and_a_chain_drafter_log_gradient_positions_in_training(tiny, ti
     """The block-wise densification verdict reads the same field from both trainers."""
     import json
 
-    from kvshot.train import train_variant
+    from kvshot.train.loop import train_variant
 
     from .test_blockwise import block_cfg
     from .test_train import run, small_cfg
@@ -270,9 +270,9 @@ def test_a_block_and_a_chain_drafter_log_gradient_positions_in_training(tiny, ti
 
 
 def test_diagnostic_batches_hold_scored_rows_within_max_len(tiny_features):
-    from kvshot.diagnostics import diagnostic_batches
-    from kvshot.features import open_features
-    from kvshot.ttt import assistant_tokens, shift
+    from kvshot.capture.features import open_features
+    from kvshot.drafters.unroll import assistant_tokens, shift
+    from kvshot.train.diagnostics import diagnostic_batches
 
     src = open_features(tiny_features["eval"])
     got = diagnostic_batches(src, 3, 24, "cpu")

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from kvshot.diagnostics import attention_diagnostics, own_key_mass
 from kvshot.drafters.skeleton import Diagonal
-from kvshot.train import kv_key_share
-from kvshot.ttt import assistant_tokens, shift
+from kvshot.drafters.unroll import assistant_tokens, shift
+from kvshot.train.diagnostics import attention_diagnostics, own_key_mass
+from kvshot.train.loop import kv_key_share
 
 from .test_drafters import K, make
 
@@ -108,7 +108,7 @@ def test_a_batch_without_scored_rows_measures_nothing(drafter_world):
 def test_attention_diagnostics_shared_out_over_processes_sum_to_one_processes(drafter_world):
     """The trainer's DDP share-out: process r measures batches r, r + world, ... (the own-key mass
     on the first, so on process 0); the summed totals give what one process measures on all."""
-    from kvshot.diagnostics import attention_summary, attention_totals
+    from kvshot.train.diagnostics import attention_summary, attention_totals
 
     src = drafter_world[0]
     model = make(drafter_world, "hybrid")

@@ -7,8 +7,10 @@ import copy
 import pytest
 import torch
 
-from kvshot.train import kv_key_share, param_groups, variant_config
-from kvshot.ttt import context, label_positions, shift, step_losses, target_labels, unroll, weighted_loss
+from kvshot.drafters.unroll import context, label_positions, shift, unroll
+from kvshot.train.loop import kv_key_share
+from kvshot.train.objective import step_losses, target_labels, weighted_loss
+from kvshot.train.variants import param_groups, variant_config
 
 from .conftest import build_test_drafter
 

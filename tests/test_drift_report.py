@@ -18,7 +18,7 @@ BLOCKS = {"block-kv-d1": DECAYING, "block-kv-d4": HOLDING}
 
 
 def write_results(root, alphas: dict):
-    from kvshot.io import write_json
+    from kvshot.core.io import write_json
 
     from .test_claims import e2e_record, stepwise_record, train_log
 

@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from kvshot.io import write_json
-from kvshot.prompt_bootstrap import Interval, crossed_bootstrap, paired_ratio_change, ratio
+from kvshot.core.io import write_json
 from kvshot.report.claims import INCONCLUSIVE, MISSING, NOT_REPRODUCED, REPRODUCED, evaluate_claims
 from kvshot.report.e2e_claim import E2E_MARGIN, equivalence
 from kvshot.report.results import load_variants
+from kvshot.stats.prompt_bootstrap import Interval, crossed_bootstrap, paired_ratio_change, ratio
 
 from .test_claims import E2E, NAMES, e2e_record, write_results
 
@@ -127,8 +127,8 @@ def test_the_alternating_timing_job_gives_the_overhead(tmp_path):
 def pair(tiny, tiny_features, tmp_path_factory):
     """EAGLE-3 and hybrid drafters (2 training seeds each, 4 steps) and the natural protocol's file."""
     from kvshot.config import runtime
-    from kvshot.references import run_continuations_stage
-    from kvshot.train import train_variant
+    from kvshot.evaluate.references import run_continuations_stage
+    from kvshot.train.loop import train_variant
 
     root = tmp_path_factory.mktemp("pair")
     cfg = json.loads(json.dumps(tiny["cfg"]))
@@ -149,7 +149,7 @@ def pair(tiny, tiny_features, tmp_path_factory):
 
 
 def test_eval_e2e_decodes_natural_prefixes_with_per_prompt_counts(pair, tiny):
-    from kvshot.e2e import run_e2e_stage
+    from kvshot.evaluate.e2e import run_e2e_stage
 
     out = pair["root"] / "e2e.json"
     run_e2e_stage(pair["cfg"], tiny["rt"], pair["dirs"]["hybrid"], str(tiny["model"]), str(pair["natural"]),

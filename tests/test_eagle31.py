@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvshot.drafters import DrafterConfig, build_drafter
-from kvshot.ttt import TTTUnroll, context, step_losses, target_labels, unroll, weighted_loss
+from kvshot.drafters.unroll import TTTUnroll, context, unroll
+from kvshot.train.objective import step_losses, target_labels, weighted_loss
 
 from .test_eagle3_reference import STEPS, DECAY, drafter, inputs, reference_logits, reference_loss, reference_parameters
 
@@ -109,8 +110,8 @@ def test_fc_norm_with_norm_before_fc_is_refused_in_one_line(tmp_path):
 from kvshot.__main__ import main  # noqa: E402
 from kvshot.config import stage_config  # noqa: E402
 from kvshot.drafters import load_drafter  # noqa: E402
-from kvshot.export import EAGLE3_TENSORS, FormatError, export_eagle3  # noqa: E402
-from kvshot.variants import build_variant  # noqa: E402
+from kvshot.interop.export import EAGLE3_TENSORS, FormatError, export_eagle3  # noqa: E402
+from kvshot.train.variants import build_variant  # noqa: E402
 
 from .test_export import K, documented_names, perturbed, world  # noqa: E402,F401  (world: a fixture)
 
@@ -223,9 +224,9 @@ def test_drift_variants_train_evaluate_and_decode_losslessly(tiny, tiny_features
     """The three drift variants of config/config.yaml (drift.variants) through the stages the DAG
     runs for them (drift.smk: train-drafter, eval-stepwise, eval-e2e), at the smoke scale: this
     test stands in for adding them to the smoke DAG (cheaper: one job each, no Snakemake)."""
-    from kvshot.e2e import run_e2e_stage
-    from kvshot.stepwise import run_stepwise_stage
-    from kvshot.references import run_continuations_stage
+    from kvshot.evaluate.e2e import run_e2e_stage
+    from kvshot.evaluate.references import run_continuations_stage
+    from kvshot.evaluate.stepwise import run_stepwise_stage
 
     entries = {v["name"]: v for v in tiny["cfg"]["drift"]["variants"]}
     assert set(entries) == set(SWITCHES)

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from kvshot.drafters import DrafterConfig, build_drafter
-from kvshot.ttt import TTTUnroll, step_losses, target_labels, unroll, weighted_loss
+from kvshot.drafters.unroll import TTTUnroll, unroll
+from kvshot.train.objective import step_losses, target_labels, weighted_loss
 
 STEPS, DECAY = 7, 0.8
 B, T, H, HQ, HKV, D, I, V, N = 2, 12, 32, 4, 2, 8, 48, 60, 24

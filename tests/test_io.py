@@ -1,12 +1,12 @@
-"""One atomic writer (kvshot.io.atomic_file) with one file mode, for text, JSON lines and figures."""
+"""One atomic writer (kvshot.core.io.atomic_file) with one file mode, for text, JSON lines and figures."""
 from __future__ import annotations
 
 import stat
 
 import pytest
 
-from kvshot.io import atomic_file, write_lines, write_text
-from kvshot.ranked_writer import RankedWriter
+from kvshot.core.io import atomic_file, write_lines, write_text
+from kvshot.core.ranked_writer import RankedWriter
 
 
 def mode(path) -> int:

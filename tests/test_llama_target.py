@@ -9,12 +9,13 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from kvshot.data import read_jsonl
-from kvshot.decode import speculative_generate
-from kvshot.features import open_features
-from kvshot.target import has_qk_norm, load_target, target_forward, target_queries
-from kvshot.taps import default_aux_layers
-from kvshot.train import build_variant, draft_vocab, train_variant
+from kvshot.capture.features import open_features
+from kvshot.capture.target import has_qk_norm, load_target, target_forward, target_queries
+from kvshot.core.taps import default_aux_layers
+from kvshot.data.sources import read_jsonl
+from kvshot.evaluate.decode import speculative_generate
+from kvshot.train.loop import train_variant
+from kvshot.train.variants import build_variant, draft_vocab
 
 from .conftest import LLAMA_ARCH
 from .test_decode import CHAIN, TREE, K, distill_batch, prompts_of, train_quick, trained_target
@@ -111,7 +112,7 @@ def world(tiny_llama, tiny_llama_features):
 def test_llama_greedy_decoding_is_lossless_and_agrees_with_stepwise(world, variant):
     """Chain and tree speculative decoding give the target's own greedy tokens (no eos stop),
     and the step-wise evaluator predicts every chain round's accepted length."""
-    from kvshot.stepwise import chain_correct
+    from kvshot.evaluate.stepwise import chain_correct
 
     drafter, target = world["drafters"][variant], world["target"]
     accepted = []
@@ -142,7 +143,7 @@ def test_standalone_on_llama_is_a_llama_lm(tiny_llama, tiny_llama_features):
     """The standalone LM of a Llama target starts from its layers (no q/k norm to find) and
     converts to a LlamaForCausalLM whose logits equal every unroll step."""
     from kvshot.drafters.standalone import to_hf
-    from kvshot.ttt import unroll
+    from kvshot.drafters.unroll import unroll
 
     target = load_target(tiny_llama["model"], tiny_llama["rt"], attn="eager")
     v = {"name": "s", "paradigm": "standalone", "layers": 2}

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from kvshot.beta import beta_cdf, beta_quantile
-from kvshot.metrics import (alpha, chain_counts, chain_summary, expected_speedup, panel_from_counts,
-                            expected_tokens, jeffreys_interval, mat, retention)
+from kvshot.stats.beta import beta_cdf, beta_quantile
+from kvshot.stats.metrics import (alpha, chain_counts, chain_summary, expected_speedup, expected_tokens,
+                                  jeffreys_interval, mat, panel_from_counts, retention)
 
 # four drafting rounds, K = 4; worked out by hand:
 #   reached  = [4, 3, 2, 1]  (round 2 fails step 0; round 1 fails step 1; round 0 fails step 2)

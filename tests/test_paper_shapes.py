@@ -1,5 +1,5 @@
 """The paper config's GPU rules fit the GPU the SLURM profile books, measured at their real
-shapes by the real code on the CPU (`kvshot.shapes.ShapeMeter`, `kvshot.shape_rules`,
+shapes by the real code on the CPU (`kvshot.paper_shapes.shapes.ShapeMeter`, `kvshot.paper_shapes.shape_rules`,
 benchmarks/paper_shapes.py), and the meter itself against computations done by hand.
 
 A rule fits when its measured peak with the CUDA allowance the meter cannot see (x 1.10 for
@@ -22,13 +22,14 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from kvshot.capture.target import target_forward
 from kvshot.config import read_config
 from kvshot.drafters import attention as attention_backends
 from kvshot.drafters.skeleton import PrefixMask
-from kvshot.shape_rules import QWEN3_8B, PaperShapes, cuda_gb, ddp_buckets_alias_grads, flex_like, gpu_limit_gb
-from kvshot.shapes import GB, ShapeMeter
-from kvshot.target import target_forward
-from kvshot.train import grad_norms
+from kvshot.paper_shapes.shape_rules import (PaperShapes, QWEN3_8B, cuda_gb, ddp_buckets_alias_grads, flex_like,
+                                             gpu_limit_gb)
+from kvshot.paper_shapes.shapes import GB, ShapeMeter
+from kvshot.train.loop import grad_norms
 
 from .conftest import REPO
 

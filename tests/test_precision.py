@@ -13,13 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 import kvshot.drafters.attention as attention_backends
-import kvshot.train as train_mod
+import kvshot.train.loop as train_mod
+from kvshot.capture.features import capture_split, open_features
+from kvshot.capture.target import load_target
 from kvshot.config import Runtime, drafter_autocast
-from kvshot.features import capture_split, open_features
-from kvshot.stepwise import chain_correct, stepwise
-from kvshot.target import load_target
-from kvshot.train import evaluate, train_variant
-from kvshot.ttt import unroll
+from kvshot.drafters.unroll import unroll
+from kvshot.evaluate.stepwise import chain_correct, stepwise
+from kvshot.train.heldout import evaluate
+from kvshot.train.loop import train_variant
 
 from .conftest import build_test_drafter
 
@@ -172,7 +173,8 @@ def test_e2e_drafts_in_the_training_precision(tiny, drafter_world, paradigm):
     """Decoding with the bf16 runtime's precision: the drafter computes under bf16 autocast, as
     in training and step-wise evaluation, while the target verifies in its own dtype; the
     output is still the target's greedy text."""
-    from kvshot.decode import DraftSpec, plain_generate, speculative_generate
+    from kvshot.evaluate.decode import plain_generate, speculative_generate
+    from kvshot.evaluate.draft_tree import DraftSpec
 
     target = load_target(tiny["model"], tiny["rt"])
     model = make(drafter_world, paradigm).eval()

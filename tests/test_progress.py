@@ -1,9 +1,9 @@
-"""kvshot.progress: plain interval lines off a terminal, no carriage-return redraws."""
+"""kvshot.core.progress: plain interval lines off a terminal, no carriage-return redraws."""
 from __future__ import annotations
 
 import io
 
-from kvshot.progress import Progress, progress
+from kvshot.core.progress import Progress, progress
 
 
 class FakeClock:
@@ -90,7 +90,7 @@ def test_library_bars_quiet_off_a_terminal():
     import subprocess
     import sys
 
-    code = ("import io, sys; from kvshot.progress import quiet_library_bars; "
+    code = ("import io, sys; from kvshot.core.progress import quiet_library_bars; "
             "assert quiet_library_bars(io.StringIO()); "
             "from transformers.utils import logging; assert not logging.is_progress_bar_enabled(); "
             "from transformers.utils.logging import tqdm; "
@@ -103,7 +103,7 @@ def test_library_bars_quiet_off_a_terminal():
 
 
 def quiet_library_bars_on_tty() -> bool:
-    from kvshot.progress import quiet_library_bars
+    from kvshot.core.progress import quiet_library_bars
 
     class Tty(io.StringIO):
         def isatty(self):

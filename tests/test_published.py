@@ -1,4 +1,4 @@
-"""Published EAGLE-3 heads (kvshot.published): a tiny random head saved in each publisher's
+"""Published EAGLE-3 heads (kvshot.interop.published): a tiny random head saved in each publisher's
 layout and config, imported, checked against a reference computation, and decoded losslessly
 against the tiny target through the pipeline's step-wise and end-to-end evaluation.
 
@@ -20,14 +20,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from kvshot.__main__ import main
+from kvshot.capture.features import open_features
+from kvshot.capture.target import load_target
 from kvshot.config import stage_config
 from kvshot.drafters import build_drafter, load_drafter
-from kvshot.export import FormatError
-from kvshot.features import open_features
-from kvshot.published import eagle_aux_ids, hf_aux_layers, import_head, read_head_config
-from kvshot.target import load_target
-from kvshot.train import draft_vocab
-from kvshot.ttt import unroll
+from kvshot.drafters.unroll import unroll
+from kvshot.interop.export import FormatError
+from kvshot.interop.head_config import read_head_config
+from kvshot.interop.published import eagle_aux_ids, hf_aux_layers, import_head
+from kvshot.train.variants import draft_vocab
 
 K = 7
 INTER = 48
@@ -154,7 +155,7 @@ def test_norm_before_residual_changes_the_computation_and_matches_the_reference(
     for switch in (False, True):
         layout, cfg, _ = read_head_config({**config, "norm_before_residual": switch}, "head/config.json")
         assert layout == "eagle3" and cfg.norm_before_residual is switch and cfg.qk_norm is False
-        from kvshot.published import head_from_tensors
+        from kvshot.interop.published import head_from_tensors
 
         drafter = head_from_tensors(cfg, layout, tensors, embed, "head")
         sample, ours = kvshot_logits(drafter, world, 2, 1)
@@ -191,9 +192,9 @@ def test_angelslim_layout_imports_with_sglang_aux_ids(angelslim, world, tiny, tm
 
 def scored_losslessly(cfg, tiny, tiny_features, world, variant: dict, tmp_path):
     """train-drafter imports the head (variant `weights:`), then eval-stepwise and eval-e2e."""
-    from kvshot.e2e import run_e2e_stage
-    from kvshot.stepwise import run_stepwise_stage
-    from kvshot.references import run_continuations_stage
+    from kvshot.evaluate.e2e import run_e2e_stage
+    from kvshot.evaluate.references import run_continuations_stage
+    from kvshot.evaluate.stepwise import run_stepwise_stage
 
     cfg = json.loads(json.dumps(cfg))
     cfg["drafters"]["variants"] = [variant]
@@ -321,7 +322,7 @@ def test_publisher_decoding_and_the_table(tmp_path):
     """Each head's stage config carries its publisher's chain or tree; the table sets our tau
     beside theirs with the relative difference and a verdict against the tolerance."""
     from kvshot.config import read_config
-    from kvshot.published import head_stage_config, resolve_weights
+    from kvshot.interop.published import head_stage_config, resolve_weights
     from kvshot.report.published import published_table
 
     repo = __import__("pathlib").Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from kvshot.drafters import DrafterConfig, build_drafter, load_drafter
-from kvshot.export import FormatError
+from kvshot.interop.export import FormatError
 
 from .test_published_heads import (TARGET_LAYERS, fixture_config, head_tensors, import_cli, imported_logits, inputs,
                                    kvshot_logits, make_target, max_delta, reference_for, target_embed, write_head)
@@ -41,7 +41,7 @@ def test_case2_eagle_traineagle3_heads_import(tmp_path):
     bad["fc.weight"] = bad["fc.weight"][:, :64]
     write_head(tmp_path / "e2", config, bad)
     with pytest.raises(FormatError, match="fc.weight") as err:
-        from kvshot.published import import_head
+        from kvshot.interop.published import import_head
 
         import_head(tmp_path / "e2", target, tmp_path / "o2")
     assert "\n" not in str(err.value)
@@ -57,7 +57,7 @@ def test_case3_specforge_eagle_config_ids_are_sglangs_count(tmp_path):
     # no evidence (EAGLE's LlamaForCausalLM with eagle_config ids): refused in one line naming file and field
     eagle = {**fixture_config("eagle-traineagle3"), "eagle_config": config["eagle_config"]}
     write_head(tmp_path / "e", eagle, head_tensors(eagle))
-    from kvshot.published import import_head
+    from kvshot.interop.published import import_head
 
     with pytest.raises(FormatError, match="eagle_config.eagle_aux_hidden_state_layer_ids") as err:
         import_head(tmp_path / "e", target, tmp_path / "o3")
@@ -96,7 +96,7 @@ def test_case5_a_heads_own_embedding_is_kept_and_used_at_load(tmp_path):
     write_head(tmp_path / "same", config, same)
     assert import_cli(tmp_path / "same", tmp_path / "o2", target)["own_embedding"] is False
     write_head(tmp_path / "none", config, {k: v for k, v in tensors.items() if k != "embed_tokens.weight"})
-    from kvshot.published import import_head
+    from kvshot.interop.published import import_head
 
     with pytest.raises(FormatError, match="embed_requires_grad"):
         import_head(tmp_path / "none", target, tmp_path / "o3")
@@ -135,7 +135,7 @@ def test_case6_both_meanings_train_and_the_drift_variants_name_theirs():
         model.set_vocab(torch.randn(64, H_), torch.arange(24))
         outs[conv] = kvshot_logits(model, aux, ids)
         with torch.enable_grad():
-            from kvshot.ttt import unroll
+            from kvshot.drafters.unroll import unroll
 
             batch = {"input_ids": ids[None], "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
                      "loss_mask": torch.ones(1, len(ids), dtype=torch.long), "aux_hidden": aux[None]}
@@ -166,7 +166,7 @@ def test_case7_missing_norm_before_residual_in_a_speculators_config_is_true(tmp_
 def test_the_resolution_is_in_the_imported_folder_and_export_round_trips(tmp_path):
     """import.json holds each resolution; a vLLM-meaning norm_output head exports under vLLM's class
     name with vLLM's top-level ids, and imports back with the same meaning and layers."""
-    from kvshot.export import export_eagle3
+    from kvshot.interop.export import export_eagle3
 
     config = {**fixture_config("speculators-0.7"),   # a Llama layer (the eagle3 format has no q/k norm)
               "transformer_layer_config": fixture_config("speculators-0.5")["transformer_layer_config"]}

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from kvshot.__main__ import main
 from kvshot.drafters import load_drafter
-from kvshot.ttt import unroll
+from kvshot.drafters.unroll import unroll
 
 FIXTURES = Path(__file__).parent / "fixtures" / "published"
 H, V, N, T, K = 32, 64, 24, 14, 4

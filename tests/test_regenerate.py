@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from kvshot.chat import encode_prompt
-from kvshot.data import read_jsonl
-from kvshot.regenerate import regenerate_conversations
-from kvshot.target import load_target
-from kvshot.tokenizer import load_tokenizer
+from kvshot.capture.regenerate import regenerate_conversations
+from kvshot.capture.target import load_target
+from kvshot.data.chat import encode_prompt
+from kvshot.data.sources import read_jsonl
+from kvshot.data.tokenizer import load_tokenizer
 
 SETTINGS = {"max_new_tokens": 12, "batch_size": 3, "temperature": 0.0, "max_turns": None}
 
@@ -24,7 +24,7 @@ def random_target(tiny, tmp_path_factory):
     text, rarely an early eos."""
     import shutil
 
-    from kvshot.target import META_FILE, build_target
+    from kvshot.capture.target import META_FILE, build_target
 
     tok = load_tokenizer(tiny["model"])
     torch.manual_seed(0)

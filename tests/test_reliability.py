@@ -144,7 +144,8 @@ def test_deeply_nested_data_file_names_the_file_and_field_in_one_line(tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"id": "a", "messages": ' + deep + "}\n")
-    from kvshot.data import DataError, read_jsonl
+    from kvshot.core.io import DataError
+    from kvshot.data.sources import read_jsonl
 
     with pytest.raises(DataError, match=rf"{rows}:1: \(field 'messages'\) nested too deeply"):
         read_jsonl(rows)
@@ -172,7 +173,7 @@ def test_full_disk_is_one_line(tmp_path):
 
 
 def test_leftover_scratch_of_a_killed_writer_is_removed(tmp_path):
-    from kvshot.io import atomic_dir, write_json
+    from kvshot.core.io import atomic_dir, write_json
 
     out = tmp_path / "drafter"
     dead_dir, dead_file = tmp_path / ".drafter.abc123.tmp", tmp_path / ".metrics.json.xyz.tmp"
@@ -200,8 +201,8 @@ def _flip(path, offset: int, n: int = 64) -> None:
 def test_damaged_shard_is_one_line(tiny, tiny_features, tmp_path, damage):
     import shutil
 
-    from kvshot.features import open_features
-    from kvshot.integrity import IntegrityError
+    from kvshot.capture.features import open_features
+    from kvshot.core.integrity import IntegrityError
 
     folder = tmp_path / "eval"
     shutil.copytree(tiny_features["eval"], folder)
@@ -225,11 +226,11 @@ def test_damaged_shard_is_one_line(tiny, tiny_features, tmp_path, damage):
 def test_damaged_weights_are_one_line(tiny, tiny_features, tmp_path):
     import shutil
 
+    from kvshot.capture.features import open_features
+    from kvshot.capture.target import load_target
+    from kvshot.core.integrity import IntegrityError
     from kvshot.drafters import load_drafter
-    from kvshot.integrity import IntegrityError
-    from kvshot.target import load_target
-    from kvshot.train import build_variant, draft_vocab
-    from kvshot.features import open_features
+    from kvshot.train.variants import build_variant, draft_vocab
 
     target_dir = tmp_path / "target"
     shutil.copytree(tiny["model"], target_dir)
@@ -299,8 +300,8 @@ def test_editing_a_local_data_file_reruns_prepare_data_and_below(tmp_path):
 def test_packaged_sharegpt_split_has_no_shared_conversation(tmp_path):
     """The default config's split of the packaged ShareGPT file: duplicates (743 exact copies
     among its 17,322 kept records, a few more near-exact) removed before the split."""
-    from kvshot.data import (LoadStats, conversation_key, iter_sharegpt_file, normalize_text, prepare_data,
-                             read_jsonl, sharegpt_package_path)
+    from kvshot.data.sources import (LoadStats, conversation_key, iter_sharegpt_file, normalize_text, prepare_data,
+                                     read_jsonl, sharegpt_package_path)
 
     cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())["data"]
     stats = prepare_data(cfg["sources"], cfg["train_samples"], cfg["eval_samples"], 0, tmp_path)
@@ -397,7 +398,7 @@ def test_broken_base_config_is_named_by_snakemake(tmp_path, text, what):
 
 
 def test_nan_stop_is_one_line_naming_the_checkpoint(tiny, tiny_features, tmp_path, monkeypatch, capsys):
-    import kvshot.train as train_mod
+    import kvshot.train.loop as train_mod
     from kvshot.__main__ import main
 
     from .test_train import small_cfg
@@ -444,7 +445,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_and_resumes_bit_identic
     import torch
     from safetensors.torch import load_file
 
-    import kvshot.checkpoint as checkpoint_mod
+    import kvshot.train.checkpoint as checkpoint_mod
 
     from .test_train import run, small_cfg
 

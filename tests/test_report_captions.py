@@ -26,7 +26,7 @@ def test_claims_caption_says_paired_not_overlap():
 
 @pytest.mark.parametrize("name", ["figures", "tables", "scaling"])
 def test_intervals_are_named_as_sequence_resamples(name):
-    from kvshot import resample
+    from kvshot.stats import resample
 
     assert "resamples whole sequences" in inspect.getsource(resample)
     text = caption(name)

@@ -15,8 +15,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from kvshot.launch import accelerate_args
-from kvshot.train import STOP_EXIT_CODE, train_variant
+from kvshot.train.launch import accelerate_args
+from kvshot.train.loop import STOP_EXIT_CODE, train_variant
 
 from .conftest import REPO
 
@@ -79,7 +79,7 @@ def test_a_two_process_checkpoint_resumes_under_one_process(tiny, tiny_features,
 
 
 def test_the_fingerprint_keeps_what_changes_the_trained_model(monkeypatch, tmp_path, capsys):
-    import kvshot.checkpoint as ck
+    import kvshot.train.checkpoint as ck
 
     monkeypatch.setattr(ck, "content_digest", lambda path: f"content of {Path(path).parent}")
     monkeypatch.setattr(ck, "folder_digest", lambda path: f"content of {path}")

@@ -6,8 +6,8 @@ import random
 
 import torch
 
-from kvshot import target
-from kvshot.schedule import epoch_order, lr_at
+from kvshot.capture import target
+from kvshot.core.schedule import epoch_order, lr_at
 
 
 def test_lr_warms_up_then_decays_to_its_floor():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvshot.config import ConfigError, default_aux_layers
-from kvshot.train import plateaued
+from kvshot.train.heldout import plateaued
 
 from .test_train import run, small_cfg
 
@@ -43,8 +43,8 @@ def test_heldout_curve_reads_the_validation_split(tiny, tiny_features, tmp_path)
     """The held-out curve (and so the plateau stop) reads the validation features, never the
     evaluation's: two runs that differ only in the curve's split train the same drafter (same
     final metrics on eval), and only the one without a val split has a curve equal to them."""
-    from kvshot.features import capture_split
-    from kvshot.train import train_variant
+    from kvshot.capture.features import capture_split
+    from kvshot.train.loop import train_variant
 
     from .conftest import synthetic_conversations, write_jsonl
 
@@ -84,7 +84,7 @@ def test_seed_changes_the_drafter_and_is_recorded(tiny, tiny_features, tmp_path)
     other = dict(tiny["rt"].__dict__)
     other["seed"] = 1
     from kvshot.config import Runtime
-    from kvshot.train import train_variant
+    from kvshot.train.loop import train_variant
 
     b = train_variant(cfg | {"seed": 1}, Runtime(**other), "hyb", str(tiny_features["train"]),
                       str(tiny_features["eval"]), str(tiny["model"]), str(tmp_path / "s1"))
@@ -96,12 +96,12 @@ def test_seed_changes_the_drafter_and_is_recorded(tiny, tiny_features, tmp_path)
 
 
 def test_seeds_pool_per_sequence_and_keep_each_seeds_record(tiny, tiny_features):
-    from kvshot.features import open_features
-    from kvshot.stepwise import stepwise, stepwise_seeds
-    from kvshot.references import natural_items, prompt_conversations
-    from kvshot.target import load_target
-    from kvshot.tokenizer import load_tokenizer
-    from kvshot.train import draft_vocab
+    from kvshot.capture.features import open_features
+    from kvshot.capture.target import load_target
+    from kvshot.data.tokenizer import load_tokenizer
+    from kvshot.evaluate.references import natural_items, prompt_conversations
+    from kvshot.evaluate.stepwise import stepwise, stepwise_seeds
+    from kvshot.train.variants import draft_vocab
 
     from .test_drafters import K, make
 
@@ -155,9 +155,9 @@ def test_training_table_and_time_cap_warning(tmp_path):
 
 
 def test_head_init_target_starts_from_the_targets_head_rows(tiny, tiny_features):
-    from kvshot.features import open_features
-    from kvshot.target import load_target
-    from kvshot.train import build_variant, draft_vocab, variant_config
+    from kvshot.capture.features import open_features
+    from kvshot.capture.target import load_target
+    from kvshot.train.variants import build_variant, draft_vocab, variant_config
 
     src = open_features(tiny_features["train"])
     target = load_target(tiny["model"], tiny["rt"])

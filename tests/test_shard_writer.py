@@ -4,7 +4,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from kvshot.shard_writer import ShardWriter, plan_shards
+from kvshot.capture.shard_writer import ShardWriter, plan_shards
 
 
 def _samples(lengths, seed=0):

@@ -15,9 +15,9 @@ VARIANTS = {"eagle3": [0, 1], "kv-d1": [0], "hybrid": [0]}   # the hidden, KV an
 def trained(tiny, tiny_features, tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
-    from kvshot.integrity import write_manifest
-    from kvshot.references import run_continuations_stage
-    from kvshot.train import train_variant
+    from kvshot.core.integrity import write_manifest
+    from kvshot.evaluate.references import run_continuations_stage
+    from kvshot.train.loop import train_variant
 
     root = tmp_path_factory.mktemp("shared_pass")
     cfg = copy.deepcopy(tiny["cfg"])
@@ -51,7 +51,7 @@ def without_timing(record: dict) -> dict:
 
 
 def test_one_pass_equals_each_variant_alone(tiny, trained):
-    from kvshot.stepwise import run_stepwise_stage
+    from kvshot.evaluate.stepwise import run_stepwise_stage
 
     t, root = trained, trained["root"]
     outs = {name: (root / "alone" / name / "stepwise.json", root / "alone" / name / "stepwise_natural.json")
@@ -78,8 +78,8 @@ def test_one_pass_equals_each_variant_alone(tiny, trained):
 
 
 def test_outputs_must_match_the_variants(tiny, trained, tmp_path):
-    from kvshot.data import DataError
-    from kvshot.stepwise import run_stepwise_stage
+    from kvshot.core.io import DataError
+    from kvshot.evaluate.stepwise import run_stepwise_stage
 
     t = trained
     with pytest.raises(DataError, match="2 outputs .* 3 variants"):

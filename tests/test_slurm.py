@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from kvshot.config import read_config
-from kvshot.launch import FREE_PORT_SHELL, accelerate_args, free_port, launcher_command, scaled_steps
+from kvshot.train.launch import FREE_PORT_SHELL, accelerate_args, free_port, launcher_command, scaled_steps
 
 from .conftest import REPO
 from .test_envs import CPU_RULES, DEVICE_RULES, rule_envs
@@ -320,7 +320,7 @@ def test_launcher_words_and_a_free_port():
     with pytest.raises(ValueError):
         launcher_command(0)
     assert scaled_steps(60000, 70000, 280000) == 15000 and scaled_steps(4, 1, 1000) == 1
-    port = int(subprocess.run([sys.executable, "-m", "kvshot.launch", "free-port"], capture_output=True,
+    port = int(subprocess.run([sys.executable, "-m", "kvshot.train.launch", "free-port"], capture_output=True,
                               text=True, check=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")}).stdout)
     assert 1024 <= port <= 65535
     with socket.socket() as s:   # free now: it can be bound

@@ -8,12 +8,13 @@ import copy
 import pytest
 import torch
 
+from kvshot.capture.features import open_features
+from kvshot.capture.target import load_target
 from kvshot.drafters import load_drafter
 from kvshot.drafters.standalone import StandaloneDrafter, hf_name, to_hf
-from kvshot.features import open_features
-from kvshot.target import load_target
-from kvshot.train import build_variant, param_groups
-from kvshot.ttt import context, step_losses, target_labels, unroll, weighted_loss
+from kvshot.drafters.unroll import context, unroll
+from kvshot.train.objective import step_losses, target_labels, weighted_loss
+from kvshot.train.variants import build_variant, param_groups
 
 K = 4
 VARIANT = {"name": "s", "paradigm": "standalone", "layers": 2, "kv_layers": [0, 1]}   # kv_layers: ignored
@@ -166,7 +167,8 @@ def test_hf_assisted_generation_with_the_converted_drafter_matches_ours(setup):
     """What benchmarks/assisted.py compares: HF's assisted generation with `to_hf(drafter)`
     drafting a constant K per round, kvshot's decoder with the drafter itself, and the target
     alone give the same greedy tokens."""
-    from kvshot.decode import DraftSpec, speculative_generate
+    from kvshot.evaluate.decode import speculative_generate
+    from kvshot.evaluate.draft_tree import DraftSpec
 
     src, target = setup
     model = build_variant(VARIANT, target.config, target.model.embed_tokens.weight.detach(), torch.arange(3),

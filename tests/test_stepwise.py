@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from kvshot.data import render_chat
-from kvshot.stepwise import chain_rows
-from kvshot.references import eval_prompts, prompt_conversations
-from kvshot.tokenizer import load_tokenizer
+from kvshot.data.chat import render_chat
+from kvshot.data.tokenizer import load_tokenizer
+from kvshot.evaluate.references import eval_prompts, prompt_conversations
+from kvshot.evaluate.stepwise import chain_rows
 
 
 def test_prompts_from_the_eval_split_stop_at_the_first_answer(tiny):
@@ -46,7 +46,7 @@ def test_chain_rows_leave_room_for_every_step():
 # ---------------------------------------------------------------- the natural-text protocol
 
 def test_repetition_share_counts_tokens_that_complete_an_earlier_4gram():
-    from kvshot.references import repetition_share
+    from kvshot.evaluate.references import repetition_share
 
     # prompt 1 2 3 4; continuation 1 2 3 4 5: "4" completes (1,2,3,4), seen in the prompt; 1,2,3 and 5 do not
     got = repetition_share([{"prompt": [1, 2, 3, 4], "continuation": [1, 2, 3, 4, 5]}])
@@ -57,8 +57,8 @@ def test_repetition_share_counts_tokens_that_complete_an_earlier_4gram():
 
 
 def test_natural_anchors_lie_in_real_assistant_text_and_are_seeded(tiny):
-    from kvshot.chat import tokenize_conversation
-    from kvshot.references import natural_anchors
+    from kvshot.data.chat import tokenize_conversation
+    from kvshot.evaluate.references import natural_anchors
 
     convs = prompt_conversations(tiny["eval"], 100)
     tok = load_tokenizer(tiny["tokenizer"])
@@ -76,8 +76,8 @@ def test_natural_anchors_lie_in_real_assistant_text_and_are_seeded(tiny):
 def test_batched_rollouts_equal_one_prompt_at_a_time(tiny):
     import torch
 
-    from kvshot.references import greedy_rollouts, natural_anchors
-    from kvshot.target import load_target
+    from kvshot.capture.target import load_target
+    from kvshot.evaluate.references import greedy_rollouts, natural_anchors
 
     target = load_target(tiny["model"], tiny["rt"])
     tok = load_tokenizer(tiny["tokenizer"])
@@ -92,7 +92,7 @@ def test_batched_rollouts_equal_one_prompt_at_a_time(tiny):
 
 
 def test_item_rows_take_an_items_own_anchors():
-    from kvshot.stepwise import item_rows
+    from kvshot.evaluate.stepwise import item_rows
 
     assert item_rows({"prompt": [0] * 10, "continuation": [0] * 8, "anchors": [9]}, 7) == [9]
     assert item_rows({"prompt": [0] * 10, "continuation": [0] * 6, "anchors": [9]}, 7) == []   # ended early (EOS)
@@ -102,7 +102,7 @@ def test_item_rows_take_an_items_own_anchors():
 def test_alpha_by_context_length_buckets():
     import torch
 
-    from kvshot.stepwise import by_context
+    from kvshot.evaluate.stepwise import by_context
 
     contexts = torch.tensor([10, 127, 128, 300, 600, 700])
     correct = torch.tensor([[1, 1], [1, 0], [0, 1], [1, 1], [1, 1], [0, 0]], dtype=torch.bool)
@@ -114,10 +114,10 @@ def test_alpha_by_context_length_buckets():
 
 
 def test_stepwise_on_natural_items_scores_one_anchor_each_and_groups_conversations(tiny, tiny_features):
-    from kvshot.features import open_features
-    from kvshot.stepwise import stepwise
-    from kvshot.references import natural_items
-    from kvshot.target import load_target
+    from kvshot.capture.features import open_features
+    from kvshot.capture.target import load_target
+    from kvshot.evaluate.references import natural_items
+    from kvshot.evaluate.stepwise import stepwise
 
     from .test_drafters import K, make
 
@@ -127,7 +127,7 @@ def test_stepwise_on_natural_items_scores_one_anchor_each_and_groups_conversatio
     ncfg = {"anchors": 20, "max_prefix_len": 80, "rollout_tokens": K + 1, "batch_size": 8}
     items = natural_items(target, tok, prompt_conversations(tiny["eval"], 100), ncfg, 0, "cpu")
     assert len(items) == 20 and all(it["anchors"] == [len(it["prompt"]) - 1] for it in items)
-    from kvshot.train import draft_vocab
+    from kvshot.train.variants import draft_vocab
 
     model = make((src, target, draft_vocab(src, 150, target.config.vocab_size)), "kv")
     result = stepwise(model, target, items, src.spec.aux_layers, K, 8, "cpu", bootstrap_samples=20,
@@ -147,10 +147,10 @@ def test_drafting_from_chosen_anchors_equals_the_full_unroll(tiny, tiny_features
     the same logits, chain and teacher-forced, as drafting from every anchor."""
     import torch
 
-    from kvshot.features import open_features
-    from kvshot.target import load_target
-    from kvshot.train import build_variant, draft_vocab
-    from kvshot.ttt import unroll
+    from kvshot.capture.features import open_features
+    from kvshot.capture.target import load_target
+    from kvshot.drafters.unroll import unroll
+    from kvshot.train.variants import build_variant, draft_vocab
 
     from .test_drafters import K, VARIANTS
 

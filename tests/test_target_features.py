@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
+from kvshot.capture.features import OfflineFeatures, batches, capture_split, open_features
+from kvshot.capture.target import load_target, target_forward
 from kvshot.config import feature_spec
-from kvshot.features import OfflineFeatures, batches, capture_split, open_features
-from kvshot.io import read_json
-from kvshot.target import load_target, target_forward
-from kvshot.tokenizer import load_tokenizer
+from kvshot.core.io import read_json
+from kvshot.data.tokenizer import load_tokenizer
 
 
 def test_target_stage_records_heldout_loss_and_generations(tiny):
@@ -26,7 +26,7 @@ def test_target_stage_records_heldout_loss_and_generations(tiny):
 
 
 def test_target_pretraining_is_deterministic(tiny, tmp_path):
-    from kvshot.target import run_target_stage
+    from kvshot.capture.target import run_target_stage
 
     run_target_stage(tiny["cfg"], tiny["rt"], str(tiny["train"]), str(tiny["eval"]), str(tiny["tokenizer"]),
                      str(tmp_path / "model"), str(tmp_path / "metrics.json"))
@@ -112,7 +112,7 @@ def test_loss_mask_marks_assistant_tokens(captured, tiny):
 def test_online_source_matches_offline(tiny, captured, tmp_path, monkeypatch):
     """Online capture tokenizes and reads the target's config, never its weights (at paper
     scale: a booked GPU and 16 GB loaded for nothing); the online source then matches offline."""
-    import kvshot.features as features_mod
+    import kvshot.capture.features as features_mod
 
     cfg = copy.deepcopy(tiny["cfg"])
     cfg["features"]["mode"] = "online"

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from kvshot.schedule import epoch_order, token_budget
-from kvshot.train import loss_denominators
+from kvshot.core.schedule import epoch_order, token_budget
+from kvshot.train.loop import loss_denominators
 
 BUCKETS = [(0, 256), (256, 512), (512, 1024), (1024, 2048)]   # token positions; the last: "at or beyond 1,024"
 STEPS, DECAY, BATCH, GROUP, MAX_LEN = 3, 0.8, 8, 64, 2048

@@ -13,9 +13,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import kvshot.train as train_mod
-from kvshot.launch import accelerate_args
-from kvshot.train import STOP_EXIT_CODE, StoppedForRuntime, train_variant
+import kvshot.train.loop as train_mod
+from kvshot.train.launch import accelerate_args
+from kvshot.train.loop import STOP_EXIT_CODE, StoppedForRuntime, train_variant
 
 from .conftest import REPO
 
@@ -147,8 +147,8 @@ def test_upstream_change_retrains_from_step_0(tiny, tiny_features, tmp_path, mon
 
     from transformers import Qwen3ForCausalLM
 
-    from kvshot.features import capture_split
-    from kvshot.integrity import write_manifest
+    from kvshot.capture.features import capture_split
+    from kvshot.core.integrity import write_manifest
 
     cfg = small_cfg(tiny)
     target, feats = tmp_path / "target", {s: tmp_path / "features" / s for s in ("train", "eval")}

@@ -8,13 +8,13 @@ import sys
 import traceback
 
 from .config import ConfigError, read_config, runtime
-from .data import DataError
-from .gguf import GGUFError
-from .progress import quiet_library_bars
+from kvshot.core.gguf import GGUFError
+from kvshot.core.io import DataError
+from kvshot.core.progress import quiet_library_bars
 
 
 def _cmd_prepare_data(args, cfg) -> dict:
-    from .data import prepare_data
+    from kvshot.data.sources import prepare_data
 
     d = cfg["data"]
     n_train = args.train_samples if args.train_samples is not None else d["train_samples"]
@@ -22,36 +22,36 @@ def _cmd_prepare_data(args, cfg) -> dict:
 
 
 def _cmd_regenerate_data(args, cfg) -> dict:
-    from .regenerate import run_regenerate_stage
+    from kvshot.capture.regenerate import run_regenerate_stage
 
     return run_regenerate_stage(cfg, runtime(cfg), args.train, args.target, args.out)
 
 
 def _cmd_train_tokenizer(args, cfg) -> dict:
-    from .tokenizer import build_tokenizer
+    from kvshot.data.tokenizer import build_tokenizer
 
     return build_tokenizer(cfg["tokenizer"], args.train, args.out)
 
 
 def _cmd_target(args, cfg) -> dict:
-    from .target import run_target_stage
+    from kvshot.capture.target import run_target_stage
 
     m = run_target_stage(cfg, runtime(cfg), args.train, args.eval, args.tokenizer, args.out, args.metrics)
     return {k: m[k] for k in ("heldout_loss", "heldout_ppl", "parameters") if k in m}
 
 
 def _cmd_capture_features(args, cfg) -> dict:
-    from .features import capture_split
+    from kvshot.capture.features import capture_split
 
     return capture_split(cfg, runtime(cfg), args.split, args.target, args.out)
 
 
 def _cmd_train_drafter(args, cfg) -> dict:
-    from .train import STOP_EXIT_CODE, StoppedForRuntime, train_variant
+    from kvshot.train.loop import STOP_EXIT_CODE, StoppedForRuntime, train_variant
 
     entry = next((v for v in cfg["drafters"]["variants"] if v["name"] == args.variant), {})
     if entry.get("weights"):   # a published head (variant `weights:`): imported, not trained
-        from .published import import_variant
+        from kvshot.interop.published import import_variant
 
         return import_variant(cfg, args.variant, args.target, args.train_features, args.out)
     if args.seed is not None:
@@ -65,7 +65,7 @@ def _cmd_train_drafter(args, cfg) -> dict:
 
 
 def _cmd_export(args, cfg) -> dict:
-    from .export import export_eagle3
+    from kvshot.interop.export import export_eagle3
 
     # the features' aux layers; None: EAGLE-3's default for the target's depth (with --target)
     aux = cfg.get("features", {}).get("aux_layers")
@@ -74,7 +74,7 @@ def _cmd_export(args, cfg) -> dict:
 
 
 def _cmd_import(args, cfg) -> dict:
-    from .published import import_eagle3
+    from kvshot.interop.published import import_eagle3
 
     # eagle3: either layout, found from config.json; speculators: vLLM's layout only
     layout = "auto" if args.format == "eagle3" else args.format
@@ -85,32 +85,32 @@ def _cmd_import(args, cfg) -> dict:
 
 
 def _cmd_target_continuations(args, cfg) -> dict:
-    from .references import run_continuations_stage
+    from kvshot.evaluate.references import run_continuations_stage
 
     return run_continuations_stage(cfg, runtime(cfg), args.eval, args.target, args.out, args.natural_out)
 
 
 def _cmd_eval_stepwise(args, cfg) -> dict:
-    from .stepwise import run_stepwise_stage
+    from kvshot.evaluate.stepwise import run_stepwise_stage
 
     return run_stepwise_stage(cfg, runtime(cfg), args.drafter, args.target, args.continuations,
                               args.features_index, args.out, args.natural, args.natural_out)
 
 
 def _cmd_eval_e2e(args, cfg) -> dict:
-    from .e2e import run_e2e_stage
+    from kvshot.evaluate.e2e import run_e2e_stage
 
     return run_e2e_stage(cfg, runtime(cfg), args.drafter, args.target, args.prompts, args.features_index, args.out)
 
 
 def _cmd_eval_benchmarks(args, cfg) -> dict:
-    from .benchmarks import run_benchmarks_stage
+    from kvshot.evaluate.benchmarks import run_benchmarks_stage
 
     return run_benchmarks_stage(cfg, runtime(cfg), args.drafter, args.target, args.eval, args.features_index, args.out)
 
 
 def _cmd_e2e_timing(args, cfg) -> dict:
-    from .e2e import run_e2e_timing_stage
+    from kvshot.evaluate.e2e import run_e2e_timing_stage
 
     return run_e2e_timing_stage(cfg, runtime(cfg), args.reference, args.hybrid, args.target, args.prompts,
                                 args.features_index, args.out)
@@ -307,7 +307,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--results", default="results", help="the results folder of a finished run")
     s.add_argument("--readme", default="README.md", help="the README whose results block is replaced")
     s.add_argument("--image", default="docs/decay.png", help="where to copy the decay figure as PNG")
-    # EAGLE-3 checkpoints (kvshot.export); --config optional: only features.aux_layers is read
+    # EAGLE-3 checkpoints (kvshot.interop.export); --config optional: only features.aux_layers is read
     s = sub.add_parser("export", help="write a drafter as a checkpoint serving engines load")
     s.add_argument("drafter", help="a trained drafter folder (results/drafters/<variant>/seed<N>)")
     s.add_argument("out", help="the checkpoint folder to write")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .taps import default_aux_layers
+from kvshot.core.taps import default_aux_layers
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def target_shape(cfg: dict) -> TargetShape | None:
         vocab = tok.get("vocab_size") if tok.get("source") == "train" else None
         return TargetShape(arch["num_hidden_layers"], arch["num_attention_heads"], arch["num_key_value_heads"], vocab)
     if tgt["source"] == "gguf":   # a file known by its checksum; any other waits for the target stage
-        from .gguf import KNOWN_SHAPES
+        from kvshot.core.gguf import KNOWN_SHAPES
 
         c = KNOWN_SHAPES.get(tgt.get("gguf", {}).get("sha256"))
         return TargetShape(c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"],

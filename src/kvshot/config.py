@@ -16,8 +16,8 @@ from typing import Any
 import jsonschema
 import yaml
 
-from . import taps
-from .checks import all_variants, check_consistency  # noqa: F401  (all_variants: every drafter variant entry)
+from kvshot.core import taps
+from .checks import check_consistency
 
 SECTIONS = ("data", "tokenizer", "target", "features", "drafters", "eval", "scaling")
 GLOBALS = ("seed", "device", "dtype", "threads")

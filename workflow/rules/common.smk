@@ -7,7 +7,8 @@ from pathlib import Path
 SRC = str(Path(workflow.basedir) / "src")
 sys.path.insert(0, SRC)
 
-from kvshot.config import ConfigError, all_variants, fill_defaults, stage_config, validate_config  # noqa: E402
+from kvshot.checks import all_variants  # noqa: E402
+from kvshot.config import ConfigError, fill_defaults, stage_config, validate_config  # noqa: E402
 
 SPLITS = ["train", "eval", "val"]   # val: the drafters' held-out curve and plateau stop (disjoint from eval)
 VARIANTS = [v["name"] for v in config["drafters"]["variants"]]
@@ -85,7 +86,7 @@ PUBLISHED_NAMES = "|".join(PUBLISHED) or "(?!)"   # (?!): none configured (the d
 
 def published_params(*sections):
     """stage_params for one published head: its variant alone and its publisher's decoding."""
-    from kvshot.published import head_stage_config
+    from kvshot.interop.published import head_stage_config
 
     def params(wildcards):
         return json.dumps(head_stage_config(stage_config(config, *sections), PUBLISHED[wildcards.variant]),
@@ -104,15 +105,15 @@ def bench_path(rule_name, suffix=""):
 
 def train_launcher():
     """`python -m kvshot`, or DDP over `drafters.train.num_processes` through accelerate on a
-    port the job picks when it runs (kvshot.launch)."""
-    from kvshot.launch import launcher_command
+    port the job picks when it runs (kvshot.train.launch)."""
+    from kvshot.train.launch import launcher_command
 
     return launcher_command(config["drafters"]["train"]["num_processes"])
 
 
 def train_rank_threads():
-    """torch threads per training process (kvshot.launch.rank_threads)."""
-    from kvshot.launch import rank_threads
+    """torch threads per training process (kvshot.train.launch.rank_threads)."""
+    from kvshot.train.launch import rank_threads
 
     return rank_threads(config["device"], config["threads"])
 
@@ -150,10 +151,10 @@ def train_threads():
 def scaling_overlay(wildcards):
     """The data-scaling sweep's change, as `--config` words: train on the first N captured
     samples, for the steps that give every N the epochs the largest N gets at
-    drafters.train.max_steps (kvshot.launch.scaled_steps)."""
+    drafters.train.max_steps (kvshot.train.launch.scaled_steps)."""
     import shlex
 
-    from kvshot.launch import scaled_steps
+    from kvshot.train.launch import scaled_steps
 
     own = next(v for v in config["drafters"]["variants"] if v["name"] == wildcards.variant)
     if "max_steps" in own.get("train", {}):
@@ -184,7 +185,7 @@ def plateau_overlay(wildcards):
 
 def local_data_files(sources):
     """The local files a list of data sources reads (`sharegpt_file` paths, and a hub entry's
-    `data_files` when they all exist here, as kvshot.data loads them). Made inputs, editing one
+    `data_files` when they all exist here, as kvshot.data.sources loads them). Made inputs, editing one
     reruns the job that reads it and everything below. Hub names and packaged data are not
     files here."""
     files = []

@@ -1,6 +1,6 @@
 # Drafters that leave the lab: a faithful EAGLE-3 variant (hidden-only, one layer, qk_norm:
 # false) written as the checkpoint SGLang's LlamaForCausalLMEagle3 and vLLM's Eagle3 loader read
-# (kvshot.export, docs/drafter_format.md). Not part of `all`; ask for it:
+# (kvshot.interop.export, docs/drafter_format.md). Not part of `all`; ask for it:
 #   snakemake --cores all results/export/eagle3
 # The exported head is the first training seed's (drafters.seeds).
 

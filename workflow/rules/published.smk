@@ -3,7 +3,7 @@
 # tree), beside the publisher's figures (docs/published-heads.md). Not part of `all`; ask for it:
 #   snakemake --cores all --configfile config/paper.yaml results/published/table.md
 # The head is read from the HF cache at its pinned revision (scripts/predownload_hub.py lists it;
-# offline runs set HF_HUB_OFFLINE=1) and imported by train-drafter's `weights:` path (kvshot.published).
+# offline runs set HF_HUB_OFFLINE=1) and imported by train-drafter's `weights:` path (kvshot.interop.published).
 # PUBLISHED and published_params: common.smk.
 
 rule import_published:

@@ -1,5 +1,5 @@
 # One drafter per job: a variant and a training seed (drafters.seeds). With drafters.train.num_processes > 1 the job is DDP through
-# `accelerate launch` on a port picked at run time (kvshot.launch); the scaling sweep's
+# `accelerate launch` on a port picked at run time (kvshot.train.launch); the scaling sweep's
 # training (scaling.smk) is this rule with an overlay, so it books and runs the same way.
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 from torch import Tensor
 
-from ..integrity import verify_folder
+from kvshot.core.integrity import verify_folder
 from .block import BlockDrafter
 from .hidden import HiddenDrafter
 from .hybrid import HybridDrafter

@@ -13,7 +13,7 @@ Refinement (`cfg.block_refine` passes, default 0): the block is run again with e
 j >= 1 reading its mask embedding plus the embedding of the previous pass's greedy token for
 x_{t+j} (slot j - 1's prediction), so a slot sees a guess of every token before it; the last
 pass's outputs are the draft. The guesses are argmax tokens (no gradient flows through them);
-training scores every pass (`blockwise.block_unroll`).
+training scores every pass (`unroll.block_unroll`).
 
 How it reads the target is the one thing the variants differ in (`cfg.block_context`):
   kv      the target's KV cache of the mapped layers, the KV-only paradigm's context (`kv_state`);
@@ -117,4 +117,4 @@ class BlockDrafter(Drafter):
 
     def step(self, state: StepState, input_ids: Tensor, positions: Tensor, k: int) -> Tensor:
         raise NotImplementedError("a block drafter has no draft step: it drafts a block per forward "
-                                  "(`draft_block`; training: kvshot.blockwise)")
+                                  "(`draft_block`; training: kvshot.drafters.unroll)")

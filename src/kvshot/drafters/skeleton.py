@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from ..integrity import write_manifest
-from ..io import atomic_dir, write_json
+from kvshot.core.integrity import write_manifest
+from kvshot.core.io import atomic_dir, write_json
 from .attention import attention
 from .fused import rms_norm
 
@@ -447,7 +447,7 @@ FROM_TARGET = ("embed_tokens.weight",)
 class Drafter(nn.Module):
     """Shared parts: frozen target embedding, decoder layers, final norm, draft-vocab head.
     A paradigm subclass says how the target's context enters (`begin`, `step`). There is no
-    `forward`: what a drafter computes is an unroll (`ttt.unroll`; under DDP, `ttt.TTTUnroll`)."""
+    `forward`: what a drafter computes is an unroll (`unroll.unroll`; under DDP, `unroll.TTTUnroll`)."""
 
     paradigm = "base"
     reads_aux_hidden = False   # whether `begin` needs the target's aux hidden states
@@ -487,7 +487,7 @@ class Drafter(nn.Module):
 
     # -------------------------------------------------------------- shared
     def compute_dtype(self) -> torch.dtype:
-        """The dtype the target's features are cast to on entry (`ttt.context`)."""
+        """The dtype the target's features are cast to on entry (`unroll.context`)."""
         w = self.lm_head.weight
         return compute_dtype(w.device.type, w.dtype)
 

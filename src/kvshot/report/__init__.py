@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..io import read_json, write_json, write_text
+from kvshot.core.io import read_json, write_json, write_text
 from .claims import claims_markdown, evaluate_claims
 from .figures import FIGURES
 from .results import load_variants

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..io import read_json
+from kvshot.core.io import read_json
 from .tables import csv_text
 
 

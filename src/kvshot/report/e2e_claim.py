@@ -3,7 +3,7 @@
 
 The verdict is an equivalence test on tau alone: the paired 95% interval of
 tau(hybrid) / tau(EAGLE-3) - 1 (chain decoding, both variants on the same prompts and seeds,
-crossed prompt x seed bootstrap: `kvshot.prompt_bootstrap`) inside +-E2E_MARGIN: reproduced;
+crossed prompt x seed bootstrap: `kvshot.stats.prompt_bootstrap`) inside +-E2E_MARGIN: reproduced;
 entirely outside: not reproduced; else inconclusive, with the smallest difference this run could
 detect. The margin is not in the paper: docs/paper-vs-kvshot.md (E2E) gives the reasons for it.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..prompt_bootstrap import Interval, paired_ratio_change, ratio
+from kvshot.stats.prompt_bootstrap import Interval, paired_ratio_change, ratio
 from .results import PAPER, Variant
 from .verdicts import INCONCLUSIVE, MISSING, NOT_REPRODUCED, REPRODUCED, claim
 

@@ -1,11 +1,11 @@
 """results/published/table.md: published EAGLE-3 heads' tau through kvshot's harness beside the
-publishers' own figures (the heads are imported by `kvshot.published`)."""
+publishers' own figures (the heads are imported by `kvshot.interop.published`)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ..io import write_text
+from kvshot.core.io import temperature_key, write_text
 
 
 def bench_key(name: str) -> str:
@@ -16,8 +16,6 @@ def bench_key(name: str) -> str:
 def our_tau(runs: dict | None, e2e: dict, mode: str, temp: str, bench: str) -> tuple[float, list | None] | None:
     """A head's tau on one benchmark at one temperature (T0, T1): eval-benchmarks' cell (`runs`,
     keyed by `bench_key`) with its prompt bootstrap interval; without them, MT-Bench at T = 0 from eval-e2e."""
-    from ..benchmarks import temperature_key
-
     if runs is not None:
         cell = runs.get(bench, {}).get("temperatures", {}).get(temperature_key(float(temp[1:])), {}).get("modes", {}).get(mode)
         return (cell["tau"], cell["intervals"]["tau"]["ci"]) if cell else None

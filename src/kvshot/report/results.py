@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..io import read_json
-from ..metrics import DEFAULT_MIN_ROUNDS, DEFAULT_MIN_SEQUENCES
-from ..resample import count_why, guard_bounds, insufficient, read_panel, statistic_range
+from kvshot.core.io import read_json
+from kvshot.stats.metrics import DEFAULT_MIN_ROUNDS, DEFAULT_MIN_SEQUENCES
+from kvshot.stats.resample import count_why, guard_bounds, insufficient, read_panel, statistic_range
 
 # The paper's Qwen3-8B numbers (its tables; docs/paper-vs-kvshot.md), for side-by-side tables and figure marks.
 PAPER = {

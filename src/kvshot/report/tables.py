@@ -5,7 +5,7 @@ import csv
 import io
 from pathlib import Path
 
-from ..io import atomic_dir, write_text
+from kvshot.core.io import atomic_dir, write_text
 from .results import PAPER, Variant, anchor_counts, judged_protocol, protocol_names, roles, with_protocol
 
 
@@ -141,7 +141,7 @@ def depth_rows(variants: list[Variant]) -> list[dict]:
 
 
 def e2e_rows(variants: list[Variant]) -> list[dict]:
-    """Per variant and decoding mode; intervals: prompt x seed bootstrap (kvshot.prompt_bootstrap).
+    """Per variant and decoding mode; intervals: prompt x seed bootstrap (kvshot.stats.prompt_bootstrap).
     The drafting overhead here is between separate jobs; the E2E claim's comes from the e2e_timing job."""
     ref = roles(variants)["eagle3"]
     rows = []

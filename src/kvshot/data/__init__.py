@@ -1,0 +1,1 @@
+"""Conversations: sources (ShareGPT, hub sets), the split, the chat template, the tokenizer."""

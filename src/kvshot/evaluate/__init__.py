@@ -1,0 +1,1 @@
+"""Step-wise and end-to-end evaluation: references, chain acceptance, speculative decoding, trees, benchmarks."""

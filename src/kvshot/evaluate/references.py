@@ -1,0 +1,175 @@
+"""The evaluation's prompts and the target's reference chains, written once by the
+target_continuations stage and read by every evaluation:
+
+continuations  the target's greedy continuation of each eval prompt (the paper's protocol);
+natural        seeded anchors in real held-out assistant text, each with the target's greedy
+               rollout from that real prefix (`natural_anchors`).
+
+`repetition_share` says how much of a reference the target copies from earlier in it.
+"""
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from kvshot.config import Runtime
+from kvshot.core.io import DataError, read_json, write_json
+from kvshot.core.progress import progress
+from kvshot.data.chat import encode_prompt, tokenize_conversation
+from kvshot.data.sources import read_jsonl
+
+
+def prompt_conversations(eval_jsonl: str | Path, n: int, sources: list[dict] | None = None) -> list[list[dict]]:
+    """Held-out conversations from the eval split, or public suites through `datasets`
+    (e.g. MT-Bench prompts, schema `mtbench`) when eval.prompt_sources is set."""
+    if not sources:
+        return [c["messages"] for c in read_jsonl(eval_jsonl)[:n]]
+    from kvshot.data.sources import load_sources
+
+    convs: list[list[dict]] = []
+    stats: list = []
+    for src in sources:
+        convs += load_sources([src], stats)[: n - len(convs)]
+    return convs
+
+
+def eval_prompts(conversations: list[list[dict]], tokenizer, max_prompt_len: int) -> list[list[int]]:
+    """The conversation up to its first assistant turn, with the generation prompt, rendered as
+    training text is (`chat`); long prompts keep their end (the part next to the answer)."""
+    prompts = []
+    for msgs in conversations:
+        first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
+        prompts.append(encode_prompt(tokenizer, msgs[:first], max_prompt_len))
+    return prompts
+
+
+@torch.no_grad()
+def greedy_continuations(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, device: str) -> list[dict]:
+    """The target's own greedy output for each prompt (batch 1: no padding effects)."""
+    out = []
+    for ids in progress(prompts, desc="target continuations", unit="prompt"):
+        x = torch.tensor([ids], device=device)
+        gen = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        out.append({"prompt": ids, "continuation": gen[0, len(ids):].tolist()})
+    return out
+
+
+NATURAL_DEFAULTS = {"anchors": 256, "max_prefix_len": 512, "rollout_tokens": 8, "batch_size": 16}
+
+
+def natural_config(ecfg: dict) -> dict:
+    return NATURAL_DEFAULTS | (ecfg.get("natural") or {})
+
+
+def natural_anchors(conversations: list[list[dict]], tokenizer, n: int, max_prefix_len: int, seed: int) -> list[dict]:
+    """`n` anchors drawn (seeded, without replacement) from every position of the conversations
+    whose token is assistant text followed by more of it; each is the real prefix up to and
+    including that token (at most max_prefix_len tokens, rendered as training text)."""
+    candidates, tokens = [], []
+    for c, msgs in enumerate(conversations):
+        ids, mask = tokenize_conversation(tokenizer, msgs, max_prefix_len + 1)
+        tokens.append(ids)
+        candidates += [(c, a) for a in range(min(len(ids) - 1, max_prefix_len)) if mask[a] and mask[a + 1]]
+    picked = sorted(random.Random(seed).sample(candidates, min(n, len(candidates))))
+    return [{"conversation": c, "prompt": tokens[c][: a + 1]} for c, a in picked]
+
+
+@torch.no_grad()
+def greedy_rollouts(target, prompts: list[list[int]], tokens: int, eos_id: int | None, pad_id: int, device: str,
+                    batch_size: int) -> list[list[int]]:
+    """The target's greedy `tokens` after each prompt, batched across prompts (left padding,
+    positions from the attention mask; prompts sorted by length so a batch pads little); a
+    rollout ends after its first EOS."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    for i in progress(range(0, len(order), batch_size), desc="natural rollouts", unit="batch"):
+        group = order[i: i + batch_size]
+        width = max(len(prompts[j]) for j in group)
+        ids = torch.full((len(group), width), pad_id, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for r, j in enumerate(group):
+            ids[r, width - len(prompts[j]):] = torch.tensor(prompts[j])
+            mask[r, width - len(prompts[j]):] = 1
+        gen = target.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False, max_new_tokens=tokens,
+                              eos_token_id=eos_id, pad_token_id=pad_id)[:, width:].tolist()
+        for r, j in enumerate(group):
+            toks = gen[r]
+            out[j] = toks[: toks.index(eos_id) + 1] if eos_id in toks else toks
+    return out
+
+
+def natural_items(target, tokenizer, conversations: list[list[dict]], ncfg: dict, seed: int, device: str) -> list[dict]:
+    """The natural protocol's items: a real prefix, the target's rollout from it, one anchor."""
+    items = natural_anchors(conversations, tokenizer, ncfg["anchors"], ncfg["max_prefix_len"], seed)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rollouts = greedy_rollouts(target, [it["prompt"] for it in items], ncfg["rollout_tokens"], tokenizer.eos_token_id,
+                               pad, device, ncfg["batch_size"])
+    return [it | {"continuation": r, "anchors": [len(it["prompt"]) - 1]} for it, r in zip(items, rollouts)]
+
+
+def run_continuations_stage(cfg: dict, rt: Runtime, eval_jsonl: str, target_dir: str, out_path: str,
+                            natural_out: str | None = None) -> dict:
+    """The reference chains: the target's continuations of the eval prompts, and with
+    natural_out its rollouts at seeded anchors in real held-out assistant text."""
+    from kvshot.capture.target import load_target
+    from kvshot.data.tokenizer import load_tokenizer
+
+    ecfg = cfg["eval"]
+    target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
+    tokenizer = load_tokenizer(target_dir)
+    convs = prompt_conversations(eval_jsonl, ecfg["prompts"], ecfg.get("prompt_sources"))
+    prompts = eval_prompts(convs, tokenizer, ecfg["max_prompt_len"])
+    start = time.time()
+    items = greedy_continuations(target, tokenizer, prompts, ecfg["max_new_tokens"], rt.device)
+    result = {"target": target_dir, "max_new_tokens": ecfg["max_new_tokens"], "eos_id": tokenizer.eos_token_id,
+              "seconds": time.time() - start, "items": items}
+    write_json(out_path, result)
+    summary = {"prompts": len(items), "tokens": sum(len(i["continuation"]) for i in items)}
+    if natural_out:
+        ncfg, start = natural_config(ecfg), time.time()
+        real = [c["messages"] for c in read_jsonl(eval_jsonl)]   # real assistant text: the eval split itself
+        nat = natural_items(target, tokenizer, real, ncfg, cfg["seed"], rt.device)
+        if not nat:
+            raise DataError(f"{eval_jsonl}: no assistant text to anchor the natural protocol (eval.natural)")
+        write_json(natural_out, {"target": target_dir, "protocol": "natural", **ncfg, "seed": cfg["seed"],
+                                 "eos_id": tokenizer.eos_token_id, "seconds": time.time() - start, "items": nat})
+        summary["natural_anchors"] = len(nat)
+    return summary
+
+
+NGRAM = 4
+
+
+def repetition_share(items: list[dict], n: int = NGRAM) -> dict:
+    """The share of reference tokens (each item's continuation) that complete an n-gram already
+    seen earlier in the same sequence, prompt included: how much of what alpha_k is scored
+    on is the target repeating itself."""
+    repeated = total = 0
+    for it in items:
+        seq, start = it["prompt"] + it["continuation"], len(it["prompt"])
+        seen = set()
+        for i in range(n - 1, len(seq)):
+            gram = tuple(seq[i - n + 1: i + 1])
+            repeated += i >= start and gram in seen
+            seen.add(gram)
+        total += len(it["continuation"])
+    return {"share": repeated / total if total else float("nan"), "repeated": repeated, "tokens": total, "ngram": n}
+
+
+def read_continuations(path: str) -> dict:
+    """The target_continuations output; a truncated or damaged file is one DataError line naming it."""
+    redo = "delete it and rerun: Snakemake remakes it with target_continuations"
+    try:
+        cont = read_json(path)
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError: a killed or damaged write
+        raise DataError(f"{path}: not a complete JSON file ({' '.join(str(e).split())[:120]}); {redo}") from e
+    items = cont.get("items") if isinstance(cont, dict) else None
+    if (not isinstance(items, list) or "eos_id" not in cont
+            or not all(isinstance(it, dict) and isinstance(it.get("prompt"), list)
+                       and isinstance(it.get("continuation"), list) for it in items)):
+        raise DataError(f"{path}: expected {{'eos_id', 'items': [{{'prompt', 'continuation'}}]}}; {redo}")
+    return cont

@@ -1,0 +1,121 @@
+"""A variant's settings and a fresh drafter for it: its draft vocabulary, its head's start,
+and which of its parameters train when (held back, gradient-norm groups)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from kvshot.capture.features import FeatureSource
+from kvshot.capture.target import has_qk_norm, rope_theta
+from kvshot.checks import all_variants
+from kvshot.config import ConfigError
+from kvshot.drafters import Drafter, DrafterConfig, build_drafter
+from kvshot.drafters.standalone import init_from_target
+
+
+def variant_config(cfg: dict, name: str) -> dict:
+    """A variant's settings: the drafter defaults, its own entry, and its train overrides."""
+    dcfg = cfg["drafters"]
+    entries = {v["name"]: v for _, v in all_variants(cfg)}   # with the block variants and gate remedies
+    if name not in entries:
+        raise ConfigError(f"config: drafters.variants: no variant named {name!r} (have {sorted(entries)})")
+    v = copy.deepcopy(entries[name])
+    v["train"] = {**dcfg["train"], **v.get("train", {})}
+    if v["paradigm"] == "block":   # default: K mask slots after x_{t+1}, as far as the K-step chain drafts
+        v.setdefault("block_size", dcfg.get("block_size") or dcfg["ttt_steps"] + 1)
+    if v["paradigm"] != "standalone":   # the standalone LM starts from the target's layers and head anyway
+        v.setdefault("head_init", dcfg.get("head_init", "random"))
+    return v
+
+
+def draft_vocab(source: FeatureSource, size: int, vocab_size: int, samples: int | None = None) -> torch.Tensor:
+    """The `size` most frequent assistant-side tokens of the (first `samples`) train samples
+    (ties: lower id), as sorted target ids (d2t)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in range(samples or len(source)):
+        s = source.tokens(i)
+        counts += torch.bincount(s["input_ids"][s["loss_mask"].bool()].long(), minlength=vocab_size)
+    size = min(size, vocab_size)
+    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))[:size]
+    return torch.tensor(sorted(order), dtype=torch.long)
+
+
+def build_variant(v: dict, target_cfg, embed: torch.Tensor, d2t: torch.Tensor, target=None) -> Drafter:
+    """A fresh drafter for variant `v`. The standalone LM drafts over the full vocabulary and,
+    given the `target` model, starts from its first layers (then TTT distills it)."""
+    n_target = target_cfg.num_hidden_layers
+    depth, paradigm = v["layers"], v["paradigm"]
+    reads_kv = paradigm in ("kv", "hybrid") or (paradigm == "block" and v.get("context", "kv") == "kv")
+    kv_layers = v.get("kv_layers") or list(range(n_target - depth, n_target))  # the top target layers
+    if reads_kv and len(kv_layers) != depth:
+        raise ConfigError(f"config: drafters.variants.{v['name']}.kv_layers: {len(kv_layers)} layers for depth {depth}")
+    if paradigm == "standalone":
+        d2t = torch.arange(target_cfg.vocab_size)
+    dc = DrafterConfig(
+        paradigm=paradigm, hidden_size=target_cfg.hidden_size, num_layers=depth,
+        num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
+        head_dim=target_cfg.head_dim, intermediate_size=v.get("intermediate_size") or target_cfg.intermediate_size,
+        vocab_size=target_cfg.vocab_size, draft_vocab_size=len(d2t), rope_theta=rope_theta(target_cfg),
+        rms_norm_eps=target_cfg.rms_norm_eps, kv_layers=list(kv_layers) if reads_kv else [],
+        gate_shape=v.get("gate_shape", "scalar"), gate_init=float(v.get("gate_init", 0.5)),
+        # default: the target's own attention (Qwen3: q/k norm; Llama: none); the standalone LM
+        # starts from the target's layers, so it always has the target's
+        qk_norm=has_qk_norm(target_cfg) if paradigm == "standalone" else bool(v.get("qk_norm", has_qk_norm(target_cfg))), block_size=int(v.get("block_size") or 0),
+        block_refine=int(v.get("refine_passes") or 0),
+        block_context=v.get("context", "kv"), norm_before_fc=bool(v.get("norm_before_fc", False)),
+        fc_norm=bool(v.get("fc_norm", False)), norm_output=bool(v.get("norm_output", False)),
+        norm_output_convention=v.get("norm_output_convention", "vllm"))
+    model = build_drafter(dc)
+    model.set_vocab(embed, d2t)
+    if paradigm == "standalone" and target is not None:
+        init_from_target(model, target)
+    elif v.get("head_init", "random") == "target" and target is not None:
+        init_head_from_target(model, target, d2t)
+    return model
+
+
+@torch.no_grad()
+def init_head_from_target(model: Drafter, target, d2t: torch.Tensor) -> None:
+    """Start the drafter's output norm and LM head from the target's (its rows for the draft
+    vocabulary), as EAGLE-1/2 reuse the target's head and the standalone LM starts from it:
+    the head need not be learned from scratch in a short training budget."""
+    model.lm_head.weight.copy_(target.lm_head.weight[d2t.to(target.lm_head.weight.device)].to(model.lm_head.weight))
+    model.norm.weight.copy_(target.model.norm.weight.to(model.norm.weight))
+
+
+KV_BRANCH = ("kv_attns.", "kv_norms.", "gate_logit")   # the hybrid's KV branch and its gate
+
+
+def held_back(model: Drafter, v: dict) -> list[torch.nn.Parameter]:
+    """The parameters a variant's kv_warmup_steps hold back (the hybrid-warm gate remedy):
+    everything outside the hybrid's KV branch, so that the branch learns alone at first."""
+    if not v.get("kv_warmup_steps"):
+        return []
+    if v["paradigm"] != "hybrid":
+        raise ConfigError(f"config: drafters.variants.{v['name']}.kv_warmup_steps: a hybrid setting "
+                          f"(paradigm {v['paradigm']} has no gated KV branch)")
+    return [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith(KV_BRANCH)]
+
+
+def param_groups(model: Drafter) -> dict[str, list[torch.nn.Parameter]]:
+    """Groups for gradient norms; the KV path's drafter-side W_K/W_V stand alone."""
+    kv_modules = {id(attn) for _, attn in model.kv_attentions()}
+    kv_names = {f"{name}." for name, mod in model.named_modules() if id(mod) in kv_modules}
+    groups: dict[str, list] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        prefix = next((k for k in kv_names if name.startswith(k)), None)
+        if prefix is not None:
+            g = "kv_wk_wv" if name[len(prefix):].startswith(("k_proj", "v_proj")) else "kv_query_out"
+        elif name.startswith("gate"):
+            g = "gate"
+        elif name.startswith(("fc.", "fc_norm.", "fc_input_norm.")):
+            g = "fusion"
+        elif name.startswith("lm_head"):
+            g = "lm_head"
+        else:
+            g = "body"
+        groups.setdefault(g, []).append(p)
+    return groups
