@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvshot.stats.power import coverage_by_sequences
 
-EAGLE = [0.62, 0.78, 0.80, 0.80, 0.80, 0.80, 0.80]   # tests/test_coverage.py's shape
+EAGLE = [0.62, 0.78, 0.80, 0.80, 0.80, 0.80, 0.80]   # tests/unit/test_coverage.py's shape
 BINS = [(1, 1), (2, 2), (3, 4), (5, 9), (10, 19), (20, 10**9)]
 
 

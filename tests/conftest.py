@@ -1,5 +1,9 @@
 """Shared tiny fixtures: a few synthetic conversations, a BPE tokenizer trained on them
-and a 4-layer Qwen3 target, built by the same stage functions the pipeline runs."""
+and a 4-layer Qwen3 target, built by the same stage functions the pipeline runs.
+
+Two tiers: tests/unit/ run in-process (seconds each); tests/pipeline/ start Snakemake, SLURM or
+a multi-process launch and carry the `pipeline` marker, so `pytest tests/unit` (or
+`pytest -m "not pipeline"`) is the inner loop."""
 from __future__ import annotations
 
 import json
@@ -10,6 +14,13 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+PIPELINE_TIER = Path(__file__).resolve().parent / "pipeline"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if PIPELINE_TIER in Path(item.fspath).resolve().parents:
+            item.add_marker(pytest.mark.pipeline)
 
 WORDS = ("the cache keeps every key and value while hidden states summarise what the next "
          "token needs so a drafter may lose context far ahead").split()
@@ -46,11 +57,11 @@ def tiny_config() -> dict:
 @pytest.fixture(scope="session")
 def smoke_workdir(tmp_path_factory):
     """The session's one working directory for the smoke DAG (config/smoke.yaml; see
-    tests/test_pipeline.py's `workdir`): tests/test_pipeline.py runs `all` and the block-wise and
+    tests/pipeline/test_pipeline.py's `workdir`): tests/pipeline/test_pipeline.py runs `all` and the block-wise and
     drift targets in it; tests that need some of its outputs from a local run (the SLURM test's
     comparison, the export rule) ask Snakemake for those targets here, which then runs only what
     is not yet up to date. Built once per session instead of once per test."""
-    from .test_pipeline import workdir
+    from .dag import workdir
 
     return workdir(tmp_path_factory.mktemp("smoke_dag"))
 

@@ -6,6 +6,8 @@ import errno
 import json
 import sys
 import traceback
+from dataclasses import dataclass
+from typing import Callable
 
 from .config import ConfigError, read_config, runtime
 from kvshot.core.gguf import GGUFError
@@ -174,49 +176,20 @@ def _cmd_readme(args, cfg) -> dict:
     return {"readme": args.readme, "image": args.image}
 
 
-STAGES = {
-    "prepare-data": (_cmd_prepare_data, ("data",)),
-    "regenerate-data": (_cmd_regenerate_data, ("data", "target")),
-    "train-tokenizer": (_cmd_train_tokenizer, ("tokenizer",)),
-    "target": (_cmd_target, ("data", "target")),
-    "capture-features": (_cmd_capture_features, ("data", "target", "features")),
-    "train-drafter": (_cmd_train_drafter, ("drafters",)),
-    "target-continuations": (_cmd_target_continuations, ("target", "eval")),
-    "eval-stepwise": (_cmd_eval_stepwise, ("target", "drafters", "eval")),
-    "eval-e2e": (_cmd_eval_e2e, ("target", "drafters", "eval")),
-    "e2e-timing": (_cmd_e2e_timing, ("target", "drafters", "eval")),
-    "eval-benchmarks": (_cmd_eval_benchmarks, ("target", "drafters", "eval")),
-    "report": (_cmd_report, ("drafters",)),
-    "scaling-report": (_cmd_scaling_report, ("drafters", "scaling")),
-    "blockwise-report": (_cmd_blockwise_report, ("drafters", "blockwise")),
-    "drift-report": (_cmd_drift_report, ("drafters", "drift", "blockwise")),
-    "readme": (_cmd_readme, ("drafters",)),
-    "published-table": (_cmd_published_table, ("published",)),
-    "export": (_cmd_export, ("features",)),
-    "import": (_cmd_import, ()),
-}
+@dataclass(frozen=True)
+class Stage:
+    """One `python -m kvshot <stage>`: what it runs, the config sections it validates, its line in
+    --help, the path flags it requires (described in PATH_HELP) and its other arguments."""
+
+    run: Callable[[argparse.Namespace, dict], dict]
+    sections: tuple[str, ...]
+    help: str
+    paths: tuple[str, ...] = ()
+    options: tuple[tuple[str, dict], ...] = ()   # (flag or positional name, add_argument keywords)
+    config: bool = True                          # --config required (export and import read none)
 
 
-# one line per stage for `kvshot --help` and the stage's own --help
-STAGE_HELP = {
-    "prepare-data": "read the configured sources, clean, dedupe and split them into train/eval/val JSONL + stats.json",
-    "regenerate-data": "(optional) the target rewrites the train answers (data.regenerate)",
-    "train-tokenizer": "train the byte-level BPE on the train split, or save the pretrained target's tokenizer",
-    "target": "pretrain the small target (or load the pretrained one or the GGUF file) and score it on held-out text",
-    "capture-features": "run the target over a split and store hidden states and KV (offline) or tokens (online)",
-    "train-drafter": "train one drafter variant with the TTT objective (checkpoints, resume, DDP)",
-    "target-continuations": "the target's greedy continuations of the eval prompts (the step-wise reference)",
-    "eval-stepwise": "chain-drafting simulation: per-step acceptance alpha_k, MAT, retention, intervals",
-    "eval-e2e": "real speculative decoding (chain and tree) against plain decoding: tau, speedup, lossless",
-    "eval-benchmarks": "speculative decoding per prompt set (eval.e2e.benchmarks) and temperature: tau, speedup",
-    "e2e-timing": "EAGLE-3's and the hybrid's drafting time per round, timed alternately in one process",
-    "report": "tables, figures and the claims verdict from the result files",
-    "scaling-report": "MAT against the number of training samples (figures/scaling.pdf)",
-    "blockwise-report": "block-wise drafters vs the KV-only chains: figures/blockwise.pdf, table, verdicts",
-    "drift-report": "EAGLE-3.1 and its ablations vs EAGLE-3, KV-only, hybrid, block-wise: figures/drift.pdf, table, verdicts",
-    "published-table": "published heads' tau (results/published/<head>/e2e.json) beside the publishers' figures",
-}
-# what each path flag names (every one required)
+# what each path flag names
 PATH_HELP = {
     "out": "output file or folder (written atomically)",
     "train": "train split JSONL (results/data/train.jsonl)",
@@ -242,6 +215,126 @@ PATH_HELP = {
     "figure": "where to write the figure (scaling or block-wise)",
     "table": "where to write the table (scaling or block-wise)",
 }
+SEED_FOLDERS = ("drafter", "reference", "hybrid")   # one variant's drafters, one per training seed: nargs +
+REPORT_PATHS = ("results", "figure", "table", "claims-md", "claims-json")
+THREADS = ("--threads", dict(type=int, default=None, help="torch threads"))
+
+STAGES = {
+    "prepare-data": Stage(
+        _cmd_prepare_data, ("data",),
+        "read the configured sources, clean, dedupe and split them into train/eval/val JSONL + stats.json",
+        ("out",),
+        (("--train-samples", dict(type=int, default=None, help="override data.train_samples (scaling sweeps)")),)),
+    "regenerate-data": Stage(
+        _cmd_regenerate_data, ("data", "target"),
+        "(optional) the target rewrites the train answers (data.regenerate)", ("train", "target", "out")),
+    "train-tokenizer": Stage(
+        _cmd_train_tokenizer, ("tokenizer",),
+        "train the byte-level BPE on the train split, or save the pretrained target's tokenizer", ("train", "out")),
+    "target": Stage(
+        _cmd_target, ("data", "target"),
+        "pretrain the small target (or load the pretrained one or the GGUF file) and score it on held-out text",
+        ("train", "eval", "tokenizer", "out", "metrics")),
+    "capture-features": Stage(
+        _cmd_capture_features, ("data", "target", "features"),
+        "run the target over a split and store hidden states and KV (offline) or tokens (online)",
+        ("split", "target", "out")),
+    "train-drafter": Stage(
+        _cmd_train_drafter, ("drafters",),
+        "train one drafter variant with the TTT objective (checkpoints, resume, DDP)",
+        ("variant", "train-features", "eval-features", "target", "out"),
+        (("--seed", dict(type=int, default=None,
+                         help="the training seed (drafter init and data order; default: config `seed`)")),
+         ("--val-features", dict(default=None, help="validation features folder (results/features/val), read by the "
+                                 "held-out curve and plateau stop (default: --eval-features, recorded as metrics "
+                                 "heldout_split: eval)")),
+         ("--runtime-minutes", dict(type=float, default=None, help="the job's wall-clock limit: checkpoint and exit "
+                                    "75 at this less drafters.train.stop_margin_minutes, counted from process start")))),
+    "target-continuations": Stage(
+        _cmd_target_continuations, ("target", "eval"),
+        "the target's greedy continuations of the eval prompts (the step-wise reference)", ("eval", "target", "out"),
+        (("--natural-out", dict(default=None, help="natural protocol: where to write the target's rollouts "
+                                "(target-continuations) or their step-wise results (eval-stepwise)")),)),
+    "eval-stepwise": Stage(
+        _cmd_eval_stepwise, ("target", "drafters", "eval"),
+        "chain-drafting simulation: per-step acceptance alpha_k, MAT, retention, intervals",
+        ("drafter", "target", "continuations", "features-index"),
+        (("--out", dict(required=True, nargs="+", help=PATH_HELP["out"] + " (several: one per variant, in the order "
+                        "of the drafters' variants, scored in one target pass)")),
+         ("--natural-out", dict(default=None, nargs="+", help="natural protocol: where to write the target's rollouts "
+                                "(target-continuations) or their step-wise results (eval-stepwise)")),
+         ("--natural", dict(default=None, help="the target's rollouts at real anchors (results/eval/natural.json)")))),
+    "eval-e2e": Stage(
+        _cmd_eval_e2e, ("target", "drafters", "eval"),
+        "real speculative decoding (chain and tree) against plain decoding: tau, speedup, lossless",
+        ("drafter", "target", "prompts", "features-index", "out")),
+    "eval-benchmarks": Stage(
+        _cmd_eval_benchmarks, ("target", "drafters", "eval"),
+        "speculative decoding per prompt set (eval.e2e.benchmarks) and temperature: tau, speedup",
+        ("drafter", "target", "eval", "features-index", "out")),
+    "e2e-timing": Stage(
+        _cmd_e2e_timing, ("target", "drafters", "eval"),
+        "EAGLE-3's and the hybrid's drafting time per round, timed alternately in one process",
+        ("reference", "hybrid", "target", "prompts", "features-index", "out")),
+    "scaling-report": Stage(
+        _cmd_scaling_report, ("drafters", "scaling"),
+        "MAT against the number of training samples (figures/scaling.pdf)", ("results", "figure", "table")),
+    "blockwise-report": Stage(
+        _cmd_blockwise_report, ("drafters", "blockwise"),
+        "block-wise drafters vs the KV-only chains: figures/blockwise.pdf, table, verdicts", REPORT_PATHS,
+        (("--decay-figure", dict(default=None, help="the decay figure with the block and remedy variants beside "
+                                 "the default run's")),
+         ("--depth-figure", dict(default=None, help="the depth figure with block-wise KV beside KV-only")))),
+    "drift-report": Stage(
+        _cmd_drift_report, ("drafters", "drift", "blockwise"),
+        "EAGLE-3.1 and its ablations vs EAGLE-3, KV-only, hybrid, block-wise: figures/drift.pdf, table, verdicts",
+        REPORT_PATHS),
+    "published-table": Stage(
+        _cmd_published_table, ("published",),
+        "published heads' tau (results/published/<head>/e2e.json) beside the publishers' figures", ("results", "table")),
+    "report": Stage(
+        _cmd_report, ("drafters",), "tables, figures and the claims verdict from the result files",
+        ("results", "tables", "figures", "claims-md", "claims-json"),
+        (("--benchmarks", dict(action="store_true", help="also results/tables/benchmarks.* and figures/benchmarks.pdf "
+                               "from results/eval/<variant>/benchmarks.json (eval.e2e.benchmarks)")),)),
+    "readme": Stage(
+        _cmd_readme, ("drafters",), "regenerate the README's results block", (),
+        (("--results", dict(default="results", help="the results folder of a finished run")),
+         ("--readme", dict(default="README.md", help="the README whose results block is replaced")),
+         ("--image", dict(default="docs/decay.png", help="where to copy the decay figure as PNG")))),
+    # EAGLE-3 checkpoints (kvshot.interop.export); --config optional: only features.aux_layers is read
+    "export": Stage(
+        _cmd_export, ("features",), "write a drafter as a checkpoint serving engines load", (),
+        (("drafter", dict(help="a trained drafter folder (results/drafters/<variant>/seed<N>)")),
+         ("out", dict(help="the checkpoint folder to write")),
+         ("--format", dict(choices=["eagle3"], required=True, help="checkpoint layout (docs/drafter_format.md)")),
+         ("--target", dict(default=None, help="the target folder: max positions, aux layers, checks")),
+         ("--dtype", dict(choices=["float32", "bfloat16", "float16"], default="float32",
+                          help="dtype of the written weights")),
+         ("--config", dict(action="append", default=None, help="optional: only features.aux_layers is read")),
+         THREADS), config=False),
+    "import": Stage(
+        _cmd_import, (), "read an EAGLE-3 checkpoint folder into a kvshot drafter", (),
+        (("checkpoint", dict(help="an EAGLE-3 checkpoint folder (config.json + weights)")),
+         ("out", dict(help="the kvshot drafter folder to write")),
+         ("--format", dict(choices=["eagle3", "speculators"], required=True,
+                           help="eagle3: an EAGLE-3 head in either layout (SpecForge/SGLang or speculators); "
+                                "speculators: that one only")),
+         ("--aux-convention", dict(choices=["vllm", "sglang"], default=None,
+                                   help="override: how the head's aux layer ids count, vllm (input of layer i) or "
+                                        "sglang (output of layer i); default: resolved from the file "
+                                        "(docs/published-heads.md)")),
+         ("--norm-output-convention", dict(choices=["vllm", "specforge"], default=None,
+                                           help="override: whose norm_output the head follows, vllm (post-norm state "
+                                                "carried) or specforge (the head's norm only); default: resolved from "
+                                                "the file")),
+         ("--norm-before-residual", dict(choices=["true", "false"], default=None,
+                                         help="override: the first layer's residual is hidden_norm(h); default: the "
+                                              "config's key, or when absent the engine's default for the layout")),
+         ("--target", dict(required=True, help="the target folder (its embedding fills the drafter's)")),
+         ("--config", dict(action="append", default=None, help="optional config (not read by import)")),
+         THREADS), config=False),
+}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -251,89 +344,13 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--config", action="append", required=True,
                         help="config file or inline JSON; repeat to overlay (later wins)")
     common.add_argument("--threads", type=int, default=None, help="torch threads (default: config `threads`)")
-    # the path arguments each stage takes (all required)
-    paths = {
-        "prepare-data": ("out",),
-        "regenerate-data": ("train", "target", "out"),
-        "train-tokenizer": ("train", "out"),
-        "target": ("train", "eval", "tokenizer", "out", "metrics"),
-        "capture-features": ("split", "target", "out"),
-        "train-drafter": ("variant", "train-features", "eval-features", "target", "out"),
-        "target-continuations": ("eval", "target", "out"),
-        "eval-stepwise": ("drafter", "target", "continuations", "features-index", "out"),
-        "eval-e2e": ("drafter", "target", "prompts", "features-index", "out"),
-        "eval-benchmarks": ("drafter", "target", "eval", "features-index", "out"),
-        "e2e-timing": ("reference", "hybrid", "target", "prompts", "features-index", "out"),
-        "scaling-report": ("results", "figure", "table"),
-        "blockwise-report": ("results", "figure", "table", "claims-md", "claims-json"),
-        "drift-report": ("results", "figure", "table", "claims-md", "claims-json"),
-        "published-table": ("results", "table"),
-        "report": ("results", "tables", "figures", "claims-md", "claims-json"),
-    }
-    for stage, names in paths.items():
-        s = sub.add_parser(stage, parents=[common], help=STAGE_HELP[stage], description=STAGE_HELP[stage])
-        for name in names:
-            if name in ("drafter", "reference", "hybrid"):   # one variant's drafters, one per training seed
-                s.add_argument(f"--{name}", required=True, nargs="+", help=PATH_HELP[name])
-            elif stage == "eval-stepwise" and name == "out":   # several: one per variant, one target pass
-                s.add_argument("--out", required=True, nargs="+", help=PATH_HELP[name] + " (several: one per "
-                               "variant, in the order of the drafters' variants, scored in one target pass)")
-            else:
-                s.add_argument(f"--{name}", required=True, help=PATH_HELP[name])
-        if stage == "prepare-data":
-            s.add_argument("--train-samples", type=int, default=None,
-                           help="override data.train_samples (scaling sweeps)")
-        if stage in ("target-continuations", "eval-stepwise"):   # the natural-text protocol (optional)
-            s.add_argument("--natural-out", default=None, nargs="+" if stage == "eval-stepwise" else None, help="natural protocol: where to write the target's "
-                           "rollouts (target-continuations) or their step-wise results (eval-stepwise)")
-        if stage == "report":
-            s.add_argument("--benchmarks", action="store_true", help="also results/tables/benchmarks.* and "
-                           "figures/benchmarks.pdf from results/eval/<variant>/benchmarks.json (eval.e2e.benchmarks)")
-        if stage == "eval-stepwise":
-            s.add_argument("--natural", default=None, help="the target's rollouts at real anchors (results/eval/natural.json)")
-        if stage == "blockwise-report":
-            s.add_argument("--decay-figure", default=None, help="the decay figure with the block and remedy variants beside the default run's")
-            s.add_argument("--depth-figure", default=None, help="the depth figure with block-wise KV beside KV-only")
-        if stage == "train-drafter":
-            s.add_argument("--seed", type=int, default=None,
-                           help="the training seed (drafter init and data order; default: config `seed`)")
-            s.add_argument("--val-features", default=None,
-                           help="validation features folder (results/features/val), read by the held-out curve and "
-                                "plateau stop (default: --eval-features, recorded as metrics heldout_split: eval)")
-            s.add_argument("--runtime-minutes", type=float, default=None,
-                           help="the job's wall-clock limit: checkpoint and exit 75 at this less "
-                                "drafters.train.stop_margin_minutes, counted from process start")
-    s = sub.add_parser("readme", parents=[common], help="regenerate the README's results block")
-    s.add_argument("--results", default="results", help="the results folder of a finished run")
-    s.add_argument("--readme", default="README.md", help="the README whose results block is replaced")
-    s.add_argument("--image", default="docs/decay.png", help="where to copy the decay figure as PNG")
-    # EAGLE-3 checkpoints (kvshot.interop.export); --config optional: only features.aux_layers is read
-    s = sub.add_parser("export", help="write a drafter as a checkpoint serving engines load")
-    s.add_argument("drafter", help="a trained drafter folder (results/drafters/<variant>/seed<N>)")
-    s.add_argument("out", help="the checkpoint folder to write")
-    s.add_argument("--format", choices=["eagle3"], required=True, help="checkpoint layout (docs/drafter_format.md)")
-    s.add_argument("--target", default=None, help="the target folder: max positions, aux layers, checks")
-    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="dtype of the written weights")
-    s.add_argument("--config", action="append", default=None, help="optional: only features.aux_layers is read")
-    s.add_argument("--threads", type=int, default=None, help="torch threads")
-    s = sub.add_parser("import", help="read an EAGLE-3 checkpoint folder into a kvshot drafter")
-    s.add_argument("checkpoint", help="an EAGLE-3 checkpoint folder (config.json + weights)")
-    s.add_argument("out", help="the kvshot drafter folder to write")
-    s.add_argument("--format", choices=["eagle3", "speculators"], required=True,
-                   help="eagle3: an EAGLE-3 head in either layout (SpecForge/SGLang or speculators); speculators: that one only")
-    s.add_argument("--aux-convention", choices=["vllm", "sglang"], default=None,
-                   help="override: how the head's aux layer ids count, vllm (input of layer i) or sglang (output of "
-                        "layer i); default: resolved from the file (docs/published-heads.md)")
-    s.add_argument("--norm-output-convention", choices=["vllm", "specforge"], default=None,
-                   help="override: whose norm_output the head follows, vllm (post-norm state carried) or specforge "
-                        "(the head's norm only); default: resolved from the file")
-    s.add_argument("--norm-before-residual", choices=["true", "false"], default=None,
-                   help="override: the first layer's residual is hidden_norm(h); default: the config's key, or "
-                        "when absent the engine's default for the layout")
-    s.add_argument("--target", required=True, help="the target folder (its embedding fills the drafter's)")
-    s.add_argument("--config", action="append", default=None, help="optional config (not read by import)")
-    s.add_argument("--threads", type=int, default=None, help="torch threads")
+    for name, stage in STAGES.items():
+        s = sub.add_parser(name, parents=[common] if stage.config else [], help=stage.help, description=stage.help)
+        for path in stage.paths:
+            s.add_argument(f"--{path}", required=True, help=PATH_HELP[path],
+                           **({"nargs": "+"} if path in SEED_FOLDERS else {}))
+        for flag, kwargs in stage.options:
+            s.add_argument(flag, **kwargs)
     return p
 
 
@@ -351,12 +368,12 @@ def os_error_line(exc: OSError, output: str | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     quiet_library_bars()   # under Snakemake stderr is a log file: no tqdm redraws from transformers/hub
-    fn, sections = STAGES[args.stage]
+    stage = STAGES[args.stage]
     try:
-        cfg = read_config(args.config, sections) if args.config else {}   # export/import: config optional
+        cfg = read_config(args.config, stage.sections) if args.config else {}   # export/import: config optional
         if args.threads is not None:
             cfg["threads"] = args.threads
-        summary = fn(args, cfg)
+        summary = stage.run(args, cfg)
     except (ConfigError, DataError, FileNotFoundError, GGUFError) as exc:
         print(f"kvshot {args.stage}: error: {exc}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ A query row (an anchor at some TTT step) sees two kinds of keys (see `skeleton`)
           rows (anchor, step) anchor-major) [B, Hkv, Tq, D] (row (a, i) sees the keys of its
           anchor's rows (a, j), j <= i).
 `reference_attention` is that algorithm in a few lines; every backend computes the same and
-is tested against it (tests/test_attention_backends.py). Backends, by name:
+is tested against it (tests/unit/test_attention_backends.py). Backends, by name:
   reference  the reference itself (holds every [heads, rows, keys] tensor: for reading and tests)
   flash_cpu  fp32 on CPU: PyTorch's fused CPU flash kernel per row block, diagonal merged by
              logsumexp, hand-written backward (`block_attention.FlashAttention`)

@@ -45,8 +45,8 @@ from kvshot.evaluate.references import greedy_continuations, greedy_rollouts
 from kvshot.evaluate.stepwise import chain_correct
 from kvshot.paper_shapes.shapes import GB, ShapeMeter
 from kvshot.train import loop as train_module
+from kvshot.train.diagnostics import grad_norms
 from kvshot.train.heldout import evaluate
-from kvshot.train.loop import grad_norms
 from kvshot.train.objective import objective, scored_tokens, step_losses, target_labels, weighted_loss
 from kvshot.train.variants import build_variant, param_groups, variant_config
 

@@ -9,7 +9,7 @@ retention    alpha_{K-1} / alpha_0
 Intervals (`chain_summary`): from per-anchor chain lengths (`resample.AnchorPanel`), resampling
 whole sequences once and taking the training seeds' share of the variance from their spread
 (`resample.interval`); the pooled Jeffreys interval of each rate is reported beside it for
-reference. tests/test_coverage.py measures their coverage on synthetic data with a known truth.
+reference. tests/unit/test_coverage.py measures their coverage on synthetic data with a known truth.
 Thin evidence (few anchors, few sequences, resamples that do not vary) reads "insufficient",
 and every interval stays inside its statistic's range (`resample.record_guards`).
 """

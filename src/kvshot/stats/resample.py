@@ -17,10 +17,10 @@ count the seed-by-sequence noise a second time.
 The interval is estimate +- sqrt(sum_c t_c^2 V_c), each component with its own t quantile
 (S - 1 and n - 1 degrees of freedom; Graybill and Wang's rule for a sum of components), so three
 seeds widen only the seed part. The minimum detectable effect replaces t_c by t_c + t_power.
-tests/test_coverage.py measures coverage and power on clustered synthetic chains with a known
+tests/unit/test_coverage.py measures coverage and power on clustered synthetic chains with a known
 truth (`power`); docs/statistics.md states the choices.
 
-Two guards for thin evidence (`guard_bounds`, `record_guards`; tests/test_interval_guards.py):
+Two guards for thin evidence (`guard_bounds`, `record_guards`; tests/unit/test_interval_guards.py):
 - an interval is clipped to the values its statistic can take (`statistic_range`,
   `contrast_range`): the truth lies in that range, so clipping never drops it and the measured
   coverage is unchanged, while a t interval on few sequences can reach far outside it;

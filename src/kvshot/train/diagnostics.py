@@ -26,6 +26,9 @@ kv_grad_positions / query_grad_positions  (`GradientPositions`, from the real ba
                  mechanism counted where it acts, not a ratio of parameter-gradient norms.
                  Under DDP each process samples its share of the rows and the sums are
                  all-reduced (`GradientPositions.totals`, `summarize`).
+
+The logs also carry each parameter group's gradient norm (`grad_norms`) and the length formula's
+key share (`kv_key_share` for a chain, `block_key_share` for a block).
 """
 from __future__ import annotations
 
@@ -343,6 +346,32 @@ def diagnostic_batches(source, sequences: int, max_len: int, device) -> list[dic
         batch = source.batch(chosen[i: i + DIAGNOSTIC_BATCH])
         out.append({k: t[:, :max_len].to(device) for k, t in batch.items()})
     return out
+
+
+def grad_norms(groups: dict[str, list]) -> dict[str, float]:
+    """Each group's gradient norm (one host sync for all of them): each gradient's own norm in
+    its dtype (a reduction: no copy of the gradient), the squares of those scalars summed in
+    float64."""
+    norms = {g: [torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None]
+             for g, params in groups.items()}
+    device = next((x[0].device for x in norms.values() if x), "cpu")
+    values = torch.stack([torch.stack(x).double().square().sum() if x
+                          else torch.zeros((), dtype=torch.float64, device=device) for x in norms.values()]).tolist()
+    return {g: math.sqrt(x) for g, x in zip(norms, values)}
+
+
+def kv_key_share(valid: list[torch.Tensor], anchors: list[torch.Tensor | None] | None = None) -> float:
+    """Share of the keys a KV-path query attends that come from the drafter's own W_K/W_V
+    (and so pass gradient to them): (k+1) drafted keys vs (t+1) copied target keys at
+    anchor t, step k, averaged over scored (anchor, step) pairs. anchors: each row's
+    anchor per step (None: row r is anchor r)."""
+    num, den = 0.0, 0
+    for k, v in enumerate(valid):
+        rows = anchors[k] if anchors else None
+        t = (torch.arange(v.shape[1], device=v.device).expand_as(v) if rows is None else rows).to(torch.float32)
+        num += float(((k + 1) / (t + k + 2))[v].sum())
+        den += int(v.sum())
+    return num / max(den, 1)
 
 
 def block_key_share(valid: list[Tensor], anchors: list[Tensor], slots: int) -> float:

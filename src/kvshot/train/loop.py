@@ -25,45 +25,20 @@ from kvshot.drafters.attention import use_attention
 from kvshot.drafters.unroll import Unrolled, is_block, label_positions, training_forward
 from kvshot.train.checkpoint import fingerprint, load_checkpoint, restore_checkpoint, save_checkpoint
 from kvshot.train.diagnostics import (GradientPositions, attention_summary, attention_totals,
-                                      block_attention_diagnostics, block_key_share, diagnostic_batches)
+                                      block_attention_diagnostics, block_key_share, diagnostic_batches, grad_norms,
+                                      kv_key_share)
 from kvshot.train.heldout import all_sum, evaluate, heldout_point, plateaued
 from kvshot.train.objective import objective, step_losses, target_labels, weighted_loss
 from kvshot.train.variants import build_variant, draft_vocab, held_back, param_groups, variant_config
 
 
-# ---------------------------------------------------------------- diagnostics
-
-def grad_norms(groups: dict[str, list]) -> dict[str, float]:
-    """Each group's gradient norm (one host sync for all of them): each gradient's own norm in
-    its dtype (a reduction: no copy of the gradient), the squares of those scalars summed in
-    float64."""
-    norms = {g: [torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None]
-             for g, params in groups.items()}
-    device = next((x[0].device for x in norms.values() if x), "cpu")
-    values = torch.stack([torch.stack(x).double().square().sum() if x
-                          else torch.zeros((), dtype=torch.float64, device=device) for x in norms.values()]).tolist()
-    return {g: math.sqrt(x) for g, x in zip(norms, values)}
-
+# ---------------------------------------------------------------- the loss's scale
 
 def loss_denominators(budget: list[float], world: int, device=None) -> torch.Tensor:
     """What each process divides step k's summed per-token loss by: B_k / world (`token_budget`).
     DDP averages the processes' gradients (divides by world again), so every token's weight in
     the objective is decay^k / B_k: the same in every step, length group and world size."""
     return torch.tensor(budget, dtype=torch.float32, device=device) / world
-
-
-def kv_key_share(valid: list[torch.Tensor], anchors: list[torch.Tensor | None] | None = None) -> float:
-    """Share of the keys a KV-path query attends that come from the drafter's own W_K/W_V
-    (and so pass gradient to them): (k+1) drafted keys vs (t+1) copied target keys at
-    anchor t, step k, averaged over scored (anchor, step) pairs. anchors: each row's
-    anchor per step (None: row r is anchor r)."""
-    num, den = 0.0, 0
-    for k, v in enumerate(valid):
-        rows = anchors[k] if anchors else None
-        t = (torch.arange(v.shape[1], device=v.device).expand_as(v) if rows is None else rows).to(torch.float32)
-        num += float(((k + 1) / (t + k + 2))[v].sum())
-        den += int(v.sum())
-    return num / max(den, 1)
 
 
 # ---------------------------------------------------------------- stopping before the job's limit

@@ -1,0 +1,31 @@
+"""Running Snakemake in a scratch directory that sees the repo's workflow (both tiers use it)."""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from .conftest import REPO
+
+LINKED = ("Snakefile", "workflow", "profiles", "config", "envs", "src")
+
+
+def workdir(tmp_path: Path) -> Path:
+    """A fresh working directory that sees the repo's workflow but writes its own results/."""
+    for name in LINKED:
+        (tmp_path / name).symlink_to(REPO / name)
+    return tmp_path
+
+
+def snakemake(cwd: Path, *args: str, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["snakemake", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def dry_run_jobs(cwd: Path, *configfiles: str) -> dict[str, int]:
+    extra = ["--configfile", *configfiles] if configfiles else []
+    proc = snakemake(cwd, "-n", "--cores", "1", *extra)
+    assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
+    out = proc.stdout + proc.stderr
+    assert "warning" not in out.lower(), out
+    table = out[out.index("Job stats:"):]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m.group(1) != "total"}

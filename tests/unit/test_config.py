@@ -1,0 +1,152 @@
+"""Config validation: bad config fails in one line naming the file and the field."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from kvshot.config import ConfigError, merge, read_config, stage_config, validate_config
+
+from ..conftest import REPO
+
+DEFAULT = str(REPO / "config/config.yaml")
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "smoke.yaml", "paper.yaml", "one-gpu.yaml"])
+def test_shipped_configs_validate(name):
+    specs = [DEFAULT] if name == "config.yaml" else [DEFAULT, str(REPO / "config" / name)]
+    cfg = read_config(specs)
+    assert cfg["features"]["mode"] in ("offline", "online")
+
+
+def test_paper_config_is_the_paper_setup():
+    cfg = read_config([DEFAULT, str(REPO / "config/paper.yaml")])
+    assert cfg["target"] == {**cfg["target"], "source": "pretrained", "name": "Qwen/Qwen3-8B"}
+    assert cfg["dtype"] == "bfloat16" and cfg["features"]["mode"] == "online"
+    names = {s["name"] for s in cfg["data"]["sources"]}
+    assert names == {"Aeala/ShareGPT_Vicuna_unfiltered", "HuggingFaceH4/ultrachat_200k"}
+    assert cfg["data"]["train_samples"] == 280000 and cfg["scaling"]["train_samples"] == [70000, 140000, 280000]
+
+
+def test_one_gpu_config_is_the_paper_study_on_one_gpu():
+    """config/one-gpu.yaml: a pinned Qwen3-1.7B, one process per job, the paper's six drafters,
+    data sources and natural protocol (sized for P1 and retention: docs/statistics.md)."""
+    paper = read_config([DEFAULT, str(REPO / "config/paper.yaml")])
+    cfg = read_config([DEFAULT, str(REPO / "config/one-gpu.yaml")])
+    for part in ("target", "tokenizer"):
+        assert cfg[part]["name"] == "Qwen/Qwen3-1.7B" and cfg[part]["source"] == "pretrained"
+        assert len(cfg[part]["revision"]) == 40 and int(cfg[part]["revision"], 16) >= 0
+    assert cfg["device"] == "cuda" and cfg["dtype"] == "bfloat16" and cfg["features"]["mode"] == "online"
+    assert cfg["drafters"]["train"]["num_processes"] == 1 and len(cfg["drafters"]["seeds"]) == 3
+    assert cfg["drafters"]["variants"] == paper["drafters"]["variants"]
+    assert cfg["data"]["sources"] == paper["data"]["sources"]
+    assert cfg["eval"]["prompt_sources"] == paper["eval"]["prompt_sources"]
+    assert cfg["eval"]["natural"] == paper["eval"]["natural"] and cfg["eval"]["natural"]["anchors"] >= 41000
+    assert cfg["drafters"]["ttt_steps"] == paper["drafters"]["ttt_steps"]
+
+
+def _overlay(tmp_path, text: str) -> str:
+    p = tmp_path / "overlay.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize("text, field, words", [
+    ("data:\n  train_samples: abc\n", "data.train_samples", "not of type 'integer'"),
+    ("features:\n  mode: sideways\n", "features.mode", "sideways"),
+    ("target:\n  arch:\n    hidden_size: 8.5\n", "target.arch.hidden_size", "integer"),
+    ("tokenizer:\n  vocab_szie: 10\n", "tokenizer", "unknown key"),
+    ("seed: -1\n", "seed", "minimum"),
+])
+def test_bad_overlay_names_file_and_field(tmp_path, text, field, words):
+    overlay = _overlay(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        read_config([DEFAULT, overlay])
+    msg = str(err.value)
+    assert msg.startswith(f"{overlay}: {field}") and words in msg and "\n" not in msg
+
+
+def test_missing_key_is_named(tmp_path):
+    cfg = yaml.safe_load(open(DEFAULT))
+    del cfg["data"]["eval_samples"]
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match=rf"^{path}: data.eval_samples: missing required key$"):
+        read_config([str(path)])
+
+
+def test_mode_dependent_fields():
+    cfg = read_config([DEFAULT])
+    cfg["target"] = {"source": "pretrained", "name": None, "attn_implementation": "auto"}
+    with pytest.raises(ConfigError, match="target.name"):
+        validate_config(cfg, "x.yaml")
+    cfg = read_config([DEFAULT])
+    cfg["data"]["sources"] = [{"kind": "hub", "name": "a/b", "split": "train"}]
+    with pytest.raises(ConfigError, match=r"data.sources.0.schema"):
+        validate_config(cfg, "x.yaml")
+
+
+def test_unreadable_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml: <file>: cannot read"):
+        read_config([str(tmp_path / "nope.yaml")])
+    bad = _overlay(tmp_path, "data: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        read_config([bad])
+
+
+def test_merge_is_recursive_and_stage_config_is_partial():
+    assert merge({"a": {"b": 1, "c": 2}, "d": 1}, {"a": {"b": 5}}) == {"a": {"b": 5, "c": 2}, "d": 1}
+    cfg = read_config([DEFAULT])
+    part = stage_config(cfg, "data")
+    assert set(part) == {"seed", "device", "dtype", "threads", "data"}
+    validate_config(part, "x", sections=("data",))  # a stage validates only what it reads
+
+
+def test_cli_error_is_one_line_and_exit_2(tmp_path):
+    overlay = _overlay(tmp_path, "data:\n  train_samples: abc\n")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "kvshot", "prepare-data", "--config", DEFAULT, "--config", overlay,
+                           "--out", str(out)], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [f"kvshot prepare-data: error: {overlay}: data.train_samples: 'abc' is not of type 'integer'"]
+    assert not out.exists()
+
+
+def test_inline_json_config():
+    cfg = read_config([DEFAULT, json.dumps({"data": {"train_samples": 1000}})])
+    assert cfg["data"]["train_samples"] == 1000
+    with pytest.raises(ConfigError, match=r"^<inline config>: data.train_samples"):
+        read_config([DEFAULT, json.dumps({"data": {"train_samples": "7"}})])
+
+
+def test_schema_states_defaults_and_describes_every_field():
+    """What an omitted field means is the schema's `default` (filled on read), never a variant's
+    override; and every field of the schema says what it is."""
+    from kvshot.config import fill_defaults, load_schema
+
+    schema = load_schema()
+    missing = []
+
+    def walk(node: dict, path: str) -> None:
+        node = schema["$defs"][node["$ref"].rsplit("/", 1)[-1]] if "$ref" in node else node
+        for key, sub in (node.get("properties") or {}).items():
+            if "description" not in sub and "$ref" not in sub:
+                missing.append(path + key)
+            walk(sub, f"{path}{key}.")
+            if isinstance(sub.get("items"), dict):
+                walk(sub["items"], f"{path}{key}.")
+
+    walk(schema, "")
+    assert not missing, missing
+    cfg = {"target": {"pretrain": {"max_steps": 3}}, "eval": {"natural": {"anchors": 5}},
+           "drafters": {"train": {"lr": 1.0}, "variants": [{"name": "a", "paradigm": "kv", "layers": 1, "train": {"lr": 2.0}}]}}
+    fill_defaults(cfg, schema)
+    assert cfg["target"]["pretrain"]["block_size"] == 256 and cfg["target"]["pretrain"]["max_steps"] == 3
+    assert cfg["eval"]["natural"] == {"anchors": 5, "max_prefix_len": 512, "rollout_tokens": 8, "batch_size": 16}
+    assert cfg["drafters"]["train"]["eval_every"] == 0 and cfg["drafters"]["attention"] == "auto"
+    assert cfg["drafters"]["variants"][0]["train"] == {"lr": 2.0}   # overrides: omitted fields fall back to drafters.train
+    assert "features" not in cfg                                       # a missing section stays missing

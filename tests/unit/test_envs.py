@@ -1,0 +1,110 @@
+"""The job environments: the pins in envs/*.yaml agree with pyproject.toml, every rule runs in
+one of those env files, and rules that run the target or a drafter get the GPU env when the
+config asks for CUDA (the rule -> env mapping is read from Snakemake's own workflow object)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import yaml
+
+from ..conftest import REPO
+
+# the rules whose jobs load the target or a drafter: GPU jobs at paper scale
+DEVICE_RULES = {"target", "capture_features", "target_continuations", "train_drafter", "eval_stepwise",
+                "eval_stepwise_shared",
+                "eval_e2e", "e2e_timing", "scaling_train", "scaling_stepwise", "regenerate_data", "blockwise_train",
+                "blockwise_stepwise", "blockwise_e2e", "plateau_train", "plateau_stepwise", "plateau_e2e",
+                "plateau_e2e_timing", "published_stepwise", "published_e2e", "published_benchmarks", "eval_benchmarks", "drift_train",
+                "drift_stepwise", "drift_e2e"}
+OPTIONAL_RULES = {"regenerate_data", "export_eagle3", "eval_stepwise_shared", "blockwise_train", "blockwise_stepwise", "blockwise_e2e",
+                  "blockwise_report", "plateau_train", "plateau_stepwise", "plateau_e2e", "plateau_e2e_timing",
+                  "plateau_report", "import_published", "published_stepwise", "published_e2e",
+                  "published_benchmarks", "published_table", "drift_train", "drift_stepwise", "drift_e2e", "drift_report"}   # not behind `all`: asked for by config or by target
+CPU_RULES = {"prepare_data", "train_tokenizer", "report", "scaling_report", "export_eagle3", "blockwise_report",
+             "plateau_report", "import_published", "published_table", "drift_report"}
+
+RULE_ENVS = """
+import json, sys
+from pathlib import Path
+from snakemake.api import SnakemakeApi
+from snakemake.settings.types import ConfigSettings, OutputSettings, ResourceSettings
+with SnakemakeApi(OutputSettings()) as api:
+    wf = api.workflow(resource_settings=ResourceSettings(),
+                      config_settings=ConfigSettings(configfiles=[Path(a) for a in sys.argv[1:]]),
+                      snakefile=Path("Snakefile"), workdir=Path.cwd())._workflow
+    envs = {r.name: r.conda_env and str((Path(r.snakefile).parent / r.conda_env).resolve())
+            for r in wf.rules}
+print("RULE_ENVS " + json.dumps(envs))
+"""
+
+
+def _pins(lines) -> dict[str, str]:
+    out = {}
+    for line in lines:
+        m = re.match(r"^\s*([A-Za-z0-9_.\-]+)\s*(==|>=)\s*([^\s;#]+)", line)
+        if m:
+            out[m.group(1).lower()] = m.group(2) + m.group(3)
+    return out
+
+
+def _pip(env: Path) -> list[str]:
+    deps = yaml.safe_load(env.read_text())["dependencies"]
+    return next(d["pip"] for d in deps if isinstance(d, dict) and "pip" in d)
+
+
+def rule_envs(cwd: Path, *configfiles: str) -> dict[str, str | None]:
+    """{rule: absolute env file} as the workflow loaded with these config overlays sees it."""
+    proc = subprocess.run([sys.executable, "-c", RULE_ENVS, *configfiles], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RULE_ENVS "))
+    return json.loads(line.removeprefix("RULE_ENVS "))
+
+
+def test_env_pins_match_pyproject():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = _pins(project["dependencies"])
+    for orchestrator in ("snakemake", "snakemake-executor-plugin-slurm"):   # runs outside the job envs
+        wanted.pop(orchestrator)
+    for env in sorted((REPO / "envs").glob("*.yaml")):
+        pins = _pins(_pip(env))
+        for name, pin in wanted.items():
+            assert pins.get(name) == pin, f"{env.name}: {name} pinned {pins.get(name)}, pyproject says {pin}"
+
+
+def test_every_env_entry_is_pinned():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    ranges = {k: v for k, v in _pins(project["dependencies"]).items() if v.startswith(">=")}
+    for env in sorted((REPO / "envs").glob("*.yaml")):
+        for line in _pip(env):
+            pins = _pins([line])
+            assert pins, f"{env.name}: {line!r} has no version"
+            ((name, pin),) = pins.items()
+            assert pin.startswith("==") or ranges.get(name) == pin, f"{env.name}: {line!r} is not pinned exactly"
+
+
+def test_gpu_env_builds_flash_attn_after_torch(tmp_path):
+    # in the pip section flash-attn's isolated build cannot import torch: it must not be there,
+    # and the post-deploy script Snakemake runs in the new env installs the pyproject pin
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    flash = _pins(extra)["flash-attn"]
+    assert "flash-attn" not in _pins(_pip(REPO / "envs/gpu.yaml"))
+    script = REPO / "envs/gpu.post-deploy.sh"
+    text = script.read_text()
+    assert f'"flash-attn{flash}"' in text and "--no-build-isolation" in text
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    skip = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "KVSHOT_SKIP_FLASH_ATTN": "1"})
+    assert skip.returncode == 0 and "no flash-attn" in skip.stdout
+
+
+# what the implicit workflow profile may set: right for every run it merges into
+DEFAULT_PROFILE_KEYS = {"rerun-incomplete"}
+
+
