@@ -45,13 +45,14 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def tiny_config() -> dict:
-    from kvshot.config import merge
+    """The smoke config with the schema's defaults filled, as every stage receives it."""
+    from kvshot.config import fill_defaults, merge
 
     base = yaml.safe_load((REPO / "config/config.yaml").read_text())
     smoke = yaml.safe_load((REPO / "config/smoke.yaml").read_text())
     cfg = merge(base, smoke)
     cfg["target"]["pretrain"]["max_steps"] = 3
-    return cfg
+    return fill_defaults(cfg)
 
 
 @pytest.fixture(scope="session")
@@ -108,6 +109,21 @@ def drafter_world(tiny, tiny_features):
     src = open_features(tiny_features["train"])
     target = load_target(tiny["model"], tiny["rt"])
     return src, target, draft_vocab(src, 150, target.config.vocab_size)
+
+
+def assert_gradient_reaches_every_parameter(model, batch: dict, target, steps: int, what: str = "") -> None:
+    """One TTT loss backward on `batch`: every trainable parameter gets a nonzero gradient and
+    the target's embedding stays frozen."""
+    from kvshot.drafters.unroll import unroll
+    from kvshot.train.objective import step_losses, target_labels, weighted_loss
+
+    labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t)
+    losses, *_ = step_losses(model, unroll(model, batch, steps), batch, labels)
+    weighted_loss(losses, 0.8).backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, f"{what}no gradient reaches {name}"
+    assert not model.embed_tokens.weight.requires_grad
 
 
 def build_test_drafter(world, variant: dict, seed: int = 0):

@@ -77,6 +77,18 @@ configs:
 """
 
 PAPER = "config/paper.yaml"
+# The sizes the GPU configs' CPU path tests shrink them to (each adds its drafters, steps and
+# lengths): everything else is the config as a researcher runs it.
+CPU_SIZES = {
+    "device": "cpu",
+    "threads": 2,
+    "data": {"train_samples": 120, "eval_samples": 16, "val_samples": 8, "max_len": 160},
+    "target": {"pretrain": {"eval_blocks": 4, "generations": 1, "generation_tokens": 8}},
+    "features": {"batch_tokens": 2048, "shard_tokens": 16384},
+    "eval": {"prompts": 4, "max_prompt_len": 64, "batch_size": 4, "bootstrap_samples": 50,
+             "e2e": {"prompts": 2, "warmup": 1, "tree": {"depth": 3, "topk": 2, "total_tokens": 6},
+                     "benchmarks": {"prompts": 2, "max_new_tokens": 6}}},
+}
 
 
 def pinned_revisions(config: str = PAPER) -> dict[str, str]:

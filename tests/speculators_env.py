@@ -85,6 +85,19 @@ def ensure_venv() -> Path:
     return python
 
 
+def write_inputs(batch: dict, path: Path) -> Path:
+    """One sequence of a feature batch as speculators' forward takes it: kvshot's anchor t reads
+    x_{t+1} at position t+1, and speculators takes that pairing as its input."""
+    import torch
+    from safetensors.torch import save_file
+
+    n = batch["input_ids"].shape[1]
+    save_file({"hidden_states": batch["aux_hidden"][:, : n - 1].flatten(-2).float().contiguous(),
+               "input_ids": batch["input_ids"][:, 1:].long().contiguous(),
+               "position_ids": torch.arange(1, n)[None].contiguous()}, str(path))
+    return path
+
+
 def run_script(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     """Run tests/speculators_eagle3.py in the speculators venv."""
     python = ensure_venv()

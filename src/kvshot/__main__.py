@@ -9,7 +9,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import ConfigError, read_config, runtime
+from .config import ConfigError, fill_defaults, read_config, runtime
 from kvshot.core.gguf import GGUFError
 from kvshot.core.io import DataError
 from kvshot.core.progress import quiet_library_bars
@@ -70,8 +70,8 @@ def _cmd_export(args, cfg) -> dict:
     from kvshot.interop.export import export_eagle3
 
     # the features' aux layers; None: EAGLE-3's default for the target's depth (with --target)
-    aux = cfg.get("features", {}).get("aux_layers")
-    rule = cfg.get("features", {}).get("aux_rule", "relative")
+    features = cfg["features"] if cfg else fill_defaults({"features": {"aux_layers": None}})["features"]
+    aux, rule = features["aux_layers"], features["aux_rule"]
     return export_eagle3(args.drafter, args.out, args.target, aux, args.dtype, aux_rule=rule)
 
 
@@ -136,7 +136,7 @@ def _cmd_scaling_report(args, cfg) -> dict:
 def _cmd_blockwise_report(args, cfg) -> dict:
     from .report.blockwise import run_blockwise_report
 
-    block = [v["name"] for v in (cfg.get("blockwise") or {}).get("variants", [])]
+    block = [v["name"] for v in cfg["blockwise"]["variants"]] if "blockwise" in cfg else []
     if not block:
         raise ConfigError("config: blockwise.variants: no block variants to report on")
     chains = [v["name"] for v in cfg["drafters"]["variants"] if v["paradigm"] == "kv"]
@@ -152,19 +152,19 @@ def _cmd_drift_report(args, cfg) -> dict:
 
     from .checks import drift_name_problems
 
-    drift = cfg.get("drift") or {}
-    if not drift.get("variants"):
+    drift = cfg.get("drift")
+    if not drift or not drift["variants"]:
         raise ConfigError("config: drift.variants: no EAGLE-3.1 variants to report on")
     for path, problem in drift_name_problems(cfg)[:1]:
         raise ConfigError(f"config: {'.'.join(path)}: {problem}")
-    return run_drift_report(args.results, [v["name"] for v in drift["variants"]], list(drift.get("compare") or []),
-                            list(drift.get("blocks") or []), args.figure, args.table, args.claims_md, args.claims_json)
+    return run_drift_report(args.results, [v["name"] for v in drift["variants"]], list(drift["compare"] or []),
+                            list(drift["blocks"]), args.figure, args.table, args.claims_md, args.claims_json)
 
 
 def _cmd_published_table(args, cfg) -> dict:
     from .report.published import published_table
 
-    if not (cfg.get("published") or {}).get("heads"):
+    if not cfg.get("published") or not cfg["published"]["heads"]:
         raise ConfigError("config: published.heads: no published heads to tabulate")
     return published_table(cfg["published"], args.results, args.table)
 

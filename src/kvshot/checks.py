@@ -161,7 +161,7 @@ def _check_target_fit(cfg: dict, shape: TargetShape, fail: Callable[[list[str], 
             if len(set(aux)) != len(aux):
                 fail(["features", "aux_layers"], f"{list(aux)} repeats a layer")
         else:
-            rule = feats.get("aux_rule", "relative")
+            rule = feats["aux_rule"]
             aux = default_aux_layers(L, rule) if L >= 4 else ()
             if len(set(aux)) != 3 or L < 4:
                 fail(["features", "aux_layers"], f"the {rule} default {aux} is not three distinct "
@@ -177,7 +177,7 @@ def _check_target_fit(cfg: dict, shape: TargetShape, fail: Callable[[list[str], 
         fail(["drafters", "draft_vocab_size"], f"{drafters['draft_vocab_size']} is larger than the target's "
              f"vocabulary ({shape.vocab})")
     for path, v in all_variants(cfg):
-        if not (v["paradigm"] in ("kv", "hybrid") or (v["paradigm"] == "block" and v.get("context", "kv") == "kv")):
+        if not (v["paradigm"] in ("kv", "hybrid") or (v["paradigm"] == "block" and v.get("context") != "hidden")):
             continue
         if v["layers"] > L:
             fail(path + ["layers"], f"{v['layers']} KV layers for a {L}-layer target")

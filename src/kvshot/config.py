@@ -1,4 +1,5 @@
-"""Typed view of the pipeline config, validated against the JSON schema first.
+"""The pipeline config: merged, validated against the JSON schema, and filled with the schema's
+defaults (`fill_defaults`), the only place a default lives: stages read the filled config.
 
 The same schema checks the config when Snakemake starts (Snakefile) and when a
 stage is run by hand (`python -m kvshot ...`), so bad config fails in one line
@@ -100,7 +101,7 @@ def validate_config(cfg: Any, sources: str | list[str], sections: tuple[str, ...
     def fail(path: list[str], problem: str) -> None:
         raise ConfigError(f"{blame(sources, path)}: {'.'.join(path)}: {problem}")
 
-    check_consistency(cfg, fail)
+    check_consistency(fill_defaults(copy.deepcopy(cfg)), fail)   # an omitted field means the schema's default
 
 
 def _check_semantics(cfg: dict, source: str) -> None:
@@ -266,19 +267,19 @@ def retain_freed_memory() -> bool:
 def runtime(cfg: dict) -> Runtime:
     import torch
 
-    device = cfg.get("device", "auto")
+    device = cfg["device"]
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("config: device: 'cuda' requested but no CUDA device is available")
-    dtype = cfg.get("dtype", "auto")
+    dtype = cfg["dtype"]
     if dtype == "auto":
         # bf16 matmul on CPU is ~400x slower than fp32 here.
         dtype = "bfloat16" if device == "cuda" else "float32"
-    torch.set_num_threads(int(cfg.get("threads", 1)))
+    torch.set_num_threads(int(cfg["threads"]))
     if device == "cpu":
         retain_freed_memory()
-    return Runtime(device=device, dtype=dtype, threads=int(cfg.get("threads", 1)), seed=int(cfg.get("seed", 0)))
+    return Runtime(device=device, dtype=dtype, threads=int(cfg["threads"]), seed=int(cfg["seed"]))
 
 
 @dataclass(frozen=True)
@@ -302,15 +303,15 @@ eagle3_aux_layers = taps.eagle3_aux_layers
 
 
 def feature_spec(features_cfg: dict, num_layers: int) -> FeatureSpec:
-    aux = features_cfg.get("aux_layers")
-    aux = tuple(aux) if aux is not None else default_aux_layers(num_layers, features_cfg.get("aux_rule", "relative"))
+    aux = features_cfg["aux_layers"]
+    aux = tuple(aux) if aux is not None else default_aux_layers(num_layers, features_cfg["aux_rule"])
     if any(not 0 < a <= num_layers for a in aux):
         raise ConfigError(f"config: features.aux_layers: {list(aux)} outside 1..{num_layers} for a {num_layers}-layer target")
     if len(set(aux)) != 3:
         raise ConfigError(f"config: features.aux_layers: {list(aux)} are not three distinct layers "
                           f"(set them explicitly for a {num_layers}-layer target)")
-    kv = features_cfg.get("kv_layers", "all")
+    kv = features_cfg["kv_layers"]
     kv = tuple(range(num_layers)) if kv == "all" else tuple(kv)
     if any(not 0 <= k < num_layers for k in kv):
         raise ConfigError(f"config: features.kv_layers: {list(kv)} outside 0..{num_layers - 1}")
-    return FeatureSpec(aux_layers=aux, kv_layers=kv, dtype=features_cfg.get("dtype", "float32"))
+    return FeatureSpec(aux_layers=aux, kv_layers=kv, dtype=features_cfg["dtype"])

@@ -16,19 +16,17 @@ import os
 import pytest
 import yaml
 
+from kvshot.config import merge
+
 from ..conftest import REPO
-from ..paper_fixture import build_hub_cache, offline_env, pinned_revisions
-from .test_paper_path import _failure
 from ..dag import snakemake, workdir
+from ..paper_fixture import CPU_SIZES, build_hub_cache, offline_env, pinned_revisions
+from .test_paper_path import _failure
+
 
 CONFIG = "config/one-gpu.yaml"
 # Sizes only (and the device): everything else is one-gpu.yaml as a researcher runs it.
-OVERLAY = {
-    "device": "cpu",
-    "threads": 2,
-    "data": {"train_samples": 120, "eval_samples": 16, "val_samples": 8, "max_len": 160},
-    "target": {"pretrain": {"eval_blocks": 4, "generations": 1, "generation_tokens": 8}},
-    "features": {"batch_tokens": 2048, "shard_tokens": 16384},
+OVERLAY = merge(CPU_SIZES, {
     # one variant per paradigm: the KV depths 2 and 4 run the same code as kv-d1 here, and run in bf16 through
     # every rule in the paper path (DDP) and in fp32 in the smoke DAG
     "drafters": {"draft_vocab_size": 256, "seeds": [0], "variants": [
@@ -38,13 +36,9 @@ OVERLAY = {
                      {"name": "standalone", "paradigm": "standalone", "layers": 2}],
                  "train": {"batch_size": 2, "max_len": 96, "max_steps": 3, "warmup_steps": 1, "log_every": 1,
                            "ckpt_every": 2, "eval_batches": 2, "eval_every": 2}},
-    "eval": {"prompts": 4, "max_prompt_len": 64, "max_new_tokens": 12, "batch_size": 4, "bootstrap_samples": 50,
-             "natural": {"anchors": 48},
-             "e2e": {"prompts": 2, "max_new_tokens": 10, "warmup": 1,
-                     "tree": {"depth": 3, "topk": 2, "total_tokens": 6},
-                     "benchmarks": {"prompts": 2, "max_new_tokens": 6}}},
+    "eval": {"max_new_tokens": 12, "natural": {"anchors": 48}, "e2e": {"max_new_tokens": 10}},
     "scaling": {"train_samples": [60, 120], "variants": ["eagle3", "kv-d1", "hybrid"]},   # not run (`all` only): validated
-}
+})
 VARIANTS = ("eagle3", "kv-d1", "hybrid", "standalone")
 
 

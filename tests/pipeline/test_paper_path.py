@@ -14,28 +14,22 @@ import re
 import pytest
 import yaml
 
+from kvshot.config import merge
+
 from ..conftest import REPO
-from ..paper_fixture import build_hub_cache, offline_env
 from ..dag import snakemake, workdir
+from ..paper_fixture import CPU_SIZES, build_hub_cache, offline_env
+
 
 # Sizes only (and the device): everything else is paper.yaml as a researcher runs it.
-OVERLAY = {
-    "device": "cpu",
-    "threads": 2,
-    "data": {"train_samples": 120, "eval_samples": 16, "val_samples": 8, "max_len": 160},
-    "target": {"pretrain": {"eval_blocks": 4, "generations": 1, "generation_tokens": 8}},
-    "features": {"batch_tokens": 2048, "shard_tokens": 16384},
+OVERLAY = merge(CPU_SIZES, {
     "drafters": {"draft_vocab_size": 256,
                  "train": {"batch_size": 4, "max_len": 96, "max_steps": 4, "warmup_steps": 1, "log_every": 1,
                            "ckpt_every": 2, "eval_batches": 2, "num_processes": 2}},
-    "eval": {"prompts": 4, "max_prompt_len": 64, "max_new_tokens": 16, "batch_size": 4, "bootstrap_samples": 50,
-             "natural": {"anchors": 64},
-             "e2e": {"prompts": 2, "max_new_tokens": 12, "warmup": 1,
-                     "tree": {"depth": 3, "topk": 2, "total_tokens": 6},
-                     "benchmarks": {"prompts": 2, "max_new_tokens": 6}}},
+    "eval": {"max_new_tokens": 16, "natural": {"anchors": 64}, "e2e": {"max_new_tokens": 12}},
     # two points of one variant: scaling_train is train_drafter's rule with an overlay, the same for every variant
     "scaling": {"train_samples": [40, 80], "variants": ["kv-d1"]},
-}
+})
 VARIANTS = ("eagle3", "kv-d1", "kv-d2", "kv-d4", "hybrid", "standalone")
 
 

@@ -1,12 +1,14 @@
 """Config validation: bad config fails in one line naming the file and the field."""
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
 
 import pytest
 import yaml
+from pathlib import Path
 
 from kvshot.config import ConfigError, merge, read_config, stage_config, validate_config
 
@@ -150,3 +152,37 @@ def test_schema_states_defaults_and_describes_every_field():
     assert cfg["drafters"]["train"]["eval_every"] == 0 and cfg["drafters"]["attention"] == "auto"
     assert cfg["drafters"]["variants"][0]["train"] == {"lr": 2.0}   # overrides: omitted fields fall back to drafters.train
     assert "features" not in cfg                                       # a missing section stays missing
+
+
+def literal_defaults(path: Path) -> list[str]:
+    """`.get("key", <a literal value>)` calls: a default written in the code. An empty container
+    or None says "absent", not what an omitted field means, and is not counted."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                and len(node.args) == 2 and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+                and ast.unparse(node.func.value) != "os.environ"):   # environment variables are not config
+            d = node.args[1]
+            value = (isinstance(d, ast.Constant) and d.value is not None) or (
+                isinstance(d, (ast.List, ast.Tuple, ast.Dict, ast.Set)) and (d.elts if not isinstance(d, ast.Dict) else d.keys))
+            if value:
+                found.append(f"{path.name}:{node.lineno} {node.args[0].value}")
+    return found
+
+
+# reads of other documents: result items, a checkpoint's progress, a HF config.json, the schema
+# itself, the fake-tensor meter's table of operators
+NOT_CONFIG = {"e2e.py": {"conversation", "protocol"}, "stepwise.py": {"conversation"}, "loop.py": {"stopped_by"},
+              "target.py": {"rope_type"}, "config.py": {"$ref", "description"}, "shapes.py": {"aten.index.Tensor (bool mask)"}}
+
+
+def test_no_stage_writes_a_config_default_of_its_own():
+    """Every default lives in the schema: the stages read the filled config (fill_defaults), so
+    no `.get(key, literal)` is left in them. report/ reads result files and interop/head_config
+    reads publishers' config.json files, both outside the schema."""
+    package = REPO / "src" / "kvshot"
+    files = [p for p in package.rglob("*.py") if "report" not in p.parts and p.name != "head_config.py"]
+    found = [f for p in files for f in literal_defaults(p) if f.split(" ", 1)[1] not in NOT_CONFIG.get(p.name, set())]
+    assert found == []
+    sample = package / "evaluate" / "e2e.py"
+    assert len(literal_defaults(sample)) >= 2   # the scan sees the allowed result-file reads

@@ -702,12 +702,12 @@ def test_e2e_classifies_an_induced_near_tie_and_a_real_error(world):
     real_error = list(tied.tokens)
     real_error[wrong_at] = (real_error[wrong_at] + 1) % target.config.vocab_size
     spec = speculative_generate(target, world["drafters"]["kv-1"], x, 12, None, world["aux"], TREE)
-    s = match_summary([tied.tokens, spec.tokens, near_tie], [tied] * 3, torch.bfloat16)
+    s = match_summary([tied.tokens, spec.tokens, near_tie], [tied] * 3, torch.bfloat16, 4)
     assert s["lossless"] and s["near_ties"] == 1 and s["real_errors"] == 0
     assert s["exact_match_rate"] == pytest.approx(2 / 3)
     assert s["divergences"] == [{"prompt": 2, "position": j, "top2": list(tied.top2[j]), "gap": 0.0,
                                  "tolerance": pytest.approx(4 * 2.0 ** (math.floor(math.log2(abs(tied.top2[j][0]))) - 7)),
                                  "near_tie": True}]
-    s = match_summary([near_tie, real_error, tied.tokens[:wrong_at]], [tied] * 3, torch.bfloat16)
+    s = match_summary([near_tie, real_error, tied.tokens[:wrong_at]], [tied] * 3, torch.bfloat16, 4)
     assert not s["lossless"] and s["near_ties"] == 1 and s["real_errors"] == 2 and s["exact_match_rate"] == 0
     assert [d["position"] for d in s["divergences"]] == [j, wrong_at, wrong_at]

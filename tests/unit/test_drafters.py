@@ -12,7 +12,7 @@ from kvshot.train.diagnostics import kv_key_share
 from kvshot.train.objective import step_losses, target_labels, weighted_loss
 from kvshot.train.variants import param_groups, variant_config
 
-from ..conftest import build_test_drafter
+from ..conftest import assert_gradient_reaches_every_parameter, build_test_drafter
 
 K = 4
 VARIANTS = {
@@ -96,14 +96,7 @@ def test_batched_unroll_equals_step_by_step_drafting(drafter_world, paradigm):
 def test_gradient_reaches_every_branch(drafter_world, paradigm):
     src, target, _ = drafter_world
     model = make(drafter_world, paradigm).train()
-    batch = src.batch([0, 1, 2])
-    labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t)
-    losses, *_ = step_losses(model, unroll(model, batch, K), batch, labels)
-    weighted_loss(losses, 0.8).backward()
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            assert p.grad is not None and p.grad.abs().sum() > 0, f"{paradigm}: no gradient reaches {name}"
-    assert not model.embed_tokens.weight.requires_grad  # the target's embedding stays frozen
+    assert_gradient_reaches_every_parameter(model, src.batch([0, 1, 2]), target, K, f"{paradigm}: ")
     groups = param_groups(model)
     if paradigm != "hidden":
         assert {"kv_wk_wv", "kv_query_out"} <= set(groups)

@@ -113,7 +113,7 @@ from kvshot.drafters import load_drafter  # noqa: E402
 from kvshot.interop.export import EAGLE3_TENSORS, FormatError, export_eagle3  # noqa: E402
 from kvshot.train.variants import build_variant  # noqa: E402
 
-from .test_export import K, documented_names, perturbed, world  # noqa: E402,F401  (world: a fixture)
+from .test_export import K, documented_names, exported_folder, round_trip, saved_drafter, speculators_and_ours, world  # noqa: E402,F401  (world: a fixture)
 
 EAGLE31 = {"name": "eagle3.1", "paradigm": "hidden", "layers": 1, "qk_norm": False, "fc_norm": True,
            "norm_output": True}
@@ -121,19 +121,12 @@ EAGLE31 = {"name": "eagle3.1", "paradigm": "hidden", "layers": 1, "qk_norm": Fal
 
 @pytest.fixture(scope="module")
 def eagle31_dir(world, tmp_path_factory):
-    t = world["target"]
-    model = perturbed(build_variant(EAGLE31, t.config, t.model.embed_tokens.weight.detach(), world["d2t"]))
-    folder = tmp_path_factory.mktemp("eagle31") / "drafter"
-    model.save(folder)
-    return folder
+    return saved_drafter(world, EAGLE31, tmp_path_factory.mktemp("eagle31") / "drafter")
 
 
 @pytest.fixture(scope="module")
 def exported31(eagle31_dir, tiny):
-    out = eagle31_dir.parent / "export"
-    assert main(["export", "--format", "eagle3", str(eagle31_dir), str(out), "--target", str(tiny["model"]),
-                 "--config", json.dumps(stage_config(tiny["cfg"], "features"))]) == 0
-    return out
+    return exported_folder(eagle31_dir, tiny)
 
 
 def test_the_documented_folder_has_the_switches_tensors(eagle31_dir):
@@ -167,12 +160,8 @@ def test_export_refuses_norm_before_fc(world, tmp_path):
 
 def test_round_trip_keeps_the_switches_and_gives_identical_logits(exported31, eagle31_dir, world, tiny, tmp_path):
     out = tmp_path / "imported"
-    assert main(["import", "--format", "eagle3", str(exported31), str(out), "--target", str(tiny["model"])]) == 0
-    embed = world["target"].model.embed_tokens.weight
-    before, after = load_drafter(eagle31_dir, embed=embed), load_drafter(out, embed=embed)
-    assert after.cfg == before.cfg and after.cfg.fc_norm and after.cfg.norm_output
-    for name, tensor in before.state_dict().items():
-        assert torch.equal(after.state_dict()[name], tensor), name
+    before, after = round_trip(exported31, eagle31_dir, world, tiny, out)
+    assert after.cfg.fc_norm and after.cfg.norm_output
     meta = json.loads((out / "import.json").read_text())
     assert meta["fc_norm"] is True and meta["norm_output"] is True
     batch = world["src"].batch([0, 1])
@@ -187,20 +176,8 @@ def test_speculators_converts_loads_and_matches_eagle31_logits(exported31, eagle
     K TTT steps within 1e-4. Its converter drops the fc_norm tensors (its legacy model has none),
     so the script loads them from our checkpoint by the names vLLM reads (recorded, asserted)."""
     from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
 
-    from ..speculators_env import run_script
-
-    drafter = load_drafter(eagle31_dir, embed=world["target"].model.embed_tokens.weight)
-    sample = world["src"].batch([3])
-    n = sample["input_ids"].shape[1]
-    inputs = {"hidden_states": sample["aux_hidden"][:, : n - 1].flatten(-2).float().contiguous(),
-              "input_ids": sample["input_ids"][:, 1:].long().contiguous(),
-              "position_ids": torch.arange(1, n)[None].contiguous()}
-    save_file(inputs, str(tmp_path / "inputs.safetensors"))
-    done = run_script(str(exported31), str(tiny["model"]), str(tmp_path / "inputs.safetensors"), str(tmp_path),
-                      str(tmp_path / "theirs.safetensors"), str(K), ",".join(map(str, world["aux"])))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    theirs, ours = speculators_and_ours(exported31, eagle31_dir, world, tiny, tmp_path)
     converted = json.loads((tmp_path / "speculators" / "config.json").read_text())
     assert converted["fc_norm"] is True and converted["norm_output"] is True
     with safe_open(str(tmp_path / "theirs.safetensors"), framework="pt") as fh:
@@ -208,11 +185,6 @@ def test_speculators_converts_loads_and_matches_eagle31_logits(exported31, eagle
     assert json.loads(meta["config"]) == {"fc_norm": True, "norm_output": True}
     in_converted = {f"fc_norm.{i}.weight" for i in range(3)} <= set(json.loads(meta["converted_names"]))
     assert meta["fc_norm_from"] == ("converted" if in_converted else "checkpoint")
-    theirs = load_file(str(tmp_path / "theirs.safetensors"))
-    batch = {**sample, "attention_mask": torch.ones_like(sample["input_ids"]),
-             "loss_mask": torch.ones_like(sample["input_ids"])}
-    with torch.no_grad():
-        ours = torch.stack([l[0, : n - 1] for l in unroll(drafter, batch, K).logits])
     delta = (theirs["logits"] - ours).abs().max().item()
     print(f"speculators vs kvshot (eagle3.1), {K} TTT steps: max |dlogit| {delta:.2e}")
     assert delta <= 1e-4, f"max |dlogit| {delta}"

@@ -47,21 +47,29 @@ def perturbed(model, seed: int = 0):
     return model.eval()
 
 
+def saved_drafter(world, variant: dict, folder):
+    """A perturbed drafter of `variant` on the tiny target, saved in `folder`."""
+    t = world["target"]
+    perturbed(build_variant(variant, t.config, t.model.embed_tokens.weight.detach(), world["d2t"])).save(folder)
+    return folder
+
+
+def exported_folder(drafter_dir, tiny):
+    """`kvshot export --format eagle3` of a saved drafter, beside it."""
+    out = drafter_dir.parent / "export"
+    assert main(["export", "--format", "eagle3", str(drafter_dir), str(out), "--target", str(tiny["model"]),
+                 "--config", json.dumps(stage_config(tiny["cfg"], "features"))]) == 0
+    return out
+
+
 @pytest.fixture(scope="module")
 def eagle3_dir(world, tmp_path_factory):
-    t = world["target"]
-    model = perturbed(build_variant(EAGLE3, t.config, t.model.embed_tokens.weight.detach(), world["d2t"]))
-    folder = tmp_path_factory.mktemp("eagle3") / "drafter"
-    model.save(folder)
-    return folder
+    return saved_drafter(world, EAGLE3, tmp_path_factory.mktemp("eagle3") / "drafter")
 
 
 @pytest.fixture(scope="module")
 def exported(eagle3_dir, tiny, world):
-    out = eagle3_dir.parent / "export"
-    assert main(["export", "--format", "eagle3", str(eagle3_dir), str(out), "--target", str(tiny["model"]),
-                 "--config", json.dumps(stage_config(tiny["cfg"], "features"))]) == 0
-    return out
+    return exported_folder(eagle3_dir, tiny)
 
 
 # ---------------------------------------------------------------- what serving engines load
@@ -150,14 +158,20 @@ def test_export_refuses_what_the_format_cannot_hold(world, tmp_path):
 
 # ---------------------------------------------------------------- back into kvshot
 
-def test_round_trip_gives_identical_logits(exported, eagle3_dir, world, tiny, tmp_path):
-    out = tmp_path / "imported"
-    assert main(["import", "--format", "eagle3", str(exported), str(out), "--target", str(tiny["model"])]) == 0
+def round_trip(exported_dir, drafter_dir, world, tiny, out):
+    """`kvshot import` of an exported folder: the drafter before and after, with equal configs and
+    bit-identical tensors."""
+    assert main(["import", "--format", "eagle3", str(exported_dir), str(out), "--target", str(tiny["model"])]) == 0
     embed = world["target"].model.embed_tokens.weight
-    before, after = load_drafter(eagle3_dir, embed=embed), load_drafter(out, embed=embed)
+    before, after = load_drafter(drafter_dir, embed=embed), load_drafter(out, embed=embed)
     assert after.cfg == before.cfg
     for name, tensor in before.state_dict().items():
         assert torch.equal(after.state_dict()[name], tensor), name
+    return before, after
+
+
+def test_round_trip_gives_identical_logits(exported, eagle3_dir, world, tiny, tmp_path):
+    before, after = round_trip(exported, eagle3_dir, world, tiny, tmp_path / "imported")
     batch = world["src"].batch([0, 1])
     with torch.no_grad():
         a, b = unroll(before, batch, K), unroll(after, batch, K)
@@ -272,34 +286,38 @@ def test_old_config_files_load_with_qk_norm(tmp_path):
 
 # ---------------------------------------------------------------- an independent library
 
-def test_speculators_converts_loads_and_matches_kvshot_logits(exported, eagle3_dir, world, tiny, tmp_path):
-    """vLLM's `speculators` converts our export (its EAGLE-3 converter), loads it (its Eagle3
-    model, the embedding from the target folder as serving does) and drafts K TTT steps on the
-    same target hidden states, tokens and positions: its logits are kvshot's."""
-    from ..speculators_env import run_script
+def speculators_and_ours(exported_dir, drafter_dir, world, tiny, tmp_path) -> tuple[dict, torch.Tensor]:
+    """speculators (tests/speculators_eagle3.py in its own venv) converts and loads the exported
+    folder and drafts K TTT steps on one sample; kvshot's drafter drafts the same steps on the
+    same target hidden states, tokens and positions: (their tensors, our logits)."""
+    from ..speculators_env import run_script, write_inputs
 
-    drafter = load_drafter(eagle3_dir, embed=world["target"].model.embed_tokens.weight)
+    drafter = load_drafter(drafter_dir, embed=world["target"].model.embed_tokens.weight)
     sample = world["src"].batch([3])
     n = sample["input_ids"].shape[1]
-    # kvshot: anchor t reads x_{t+1} at position t+1; speculators takes that pairing as its input
-    inputs = {"hidden_states": sample["aux_hidden"][:, : n - 1].flatten(-2).float().contiguous(),
-              "input_ids": sample["input_ids"][:, 1:].long().contiguous(),
-              "position_ids": torch.arange(1, n)[None].contiguous()}
-    save_file(inputs, str(tmp_path / "inputs.safetensors"))
-    done = run_script(str(exported), str(tiny["model"]), str(tmp_path / "inputs.safetensors"), str(tmp_path),
+    write_inputs(sample, tmp_path / "inputs.safetensors")
+    done = run_script(str(exported_dir), str(tiny["model"]), str(tmp_path / "inputs.safetensors"), str(tmp_path),
                       str(tmp_path / "theirs.safetensors"), str(K), ",".join(map(str, world["aux"])))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    theirs = load_file(str(tmp_path / "theirs.safetensors"))
-    with safe_open(str(tmp_path / "theirs.safetensors"), framework="pt") as fh:
-        assert fh.metadata()["model_class"] == "Eagle3DraftModel"
     batch = {**sample, "attention_mask": torch.ones_like(sample["input_ids"]),
              "loss_mask": torch.ones_like(sample["input_ids"])}
     with torch.no_grad():
         ours = torch.stack([l[0, : n - 1] for l in unroll(drafter, batch, K).logits])
+    return load_file(str(tmp_path / "theirs.safetensors")), ours
+
+
+def test_speculators_converts_loads_and_matches_kvshot_logits(exported, eagle3_dir, world, tiny, tmp_path):
+    """vLLM's `speculators` converts our export (its EAGLE-3 converter), loads it (its Eagle3
+    model, the embedding from the target folder as serving does) and drafts K TTT steps on the
+    same target hidden states, tokens and positions: its logits are kvshot's."""
+    theirs, ours = speculators_and_ours(exported, eagle3_dir, world, tiny, tmp_path)
+    with safe_open(str(tmp_path / "theirs.safetensors"), framework="pt") as fh:
+        assert fh.metadata()["model_class"] == "Eagle3DraftModel"
     assert theirs["logits"].shape == ours.shape
     delta = (theirs["logits"] - ours).abs().max().item()
     print(f"speculators vs kvshot, {K} TTT steps: max |dlogit| {delta:.2e}")
     assert delta <= 1e-4, f"max |dlogit| {delta}"
+    drafter = load_drafter(eagle3_dir, embed=world["target"].model.embed_tokens.weight)
     assert torch.equal(theirs["d2t"] + torch.arange(len(theirs["d2t"])), drafter.d2t)
     assert torch.equal(theirs["t2d"], drafter.t2d)
     assert torch.equal(theirs["embed"], drafter.embed_tokens.weight)

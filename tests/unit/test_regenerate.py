@@ -10,11 +10,13 @@ import torch
 
 from kvshot.capture.regenerate import regenerate_conversations
 from kvshot.capture.target import load_target
+from kvshot.config import fill_defaults
 from kvshot.data.chat import encode_prompt
 from kvshot.data.sources import read_jsonl
 from kvshot.data.tokenizer import load_tokenizer
 
-SETTINGS = {"max_new_tokens": 12, "batch_size": 3, "temperature": 0.0, "max_turns": None}
+# data.regenerate as the stage gets it: the schema's defaults filled in
+SETTINGS = fill_defaults({"data": {"regenerate": {"max_new_tokens": 12, "batch_size": 3}}})["data"]["regenerate"]
 
 
 @pytest.fixture(scope="module")

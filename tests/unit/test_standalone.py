@@ -16,6 +16,8 @@ from kvshot.drafters.unroll import context, unroll
 from kvshot.train.objective import step_losses, target_labels, weighted_loss
 from kvshot.train.variants import build_variant, param_groups
 
+from ..conftest import assert_gradient_reaches_every_parameter
+
 K = 4
 VARIANT = {"name": "s", "paradigm": "standalone", "layers": 2, "kv_layers": [0, 1]}   # kv_layers: ignored
 
@@ -133,14 +135,7 @@ def test_starts_from_the_target_and_distills(setup):
     theirs = target.state_dict()
     for name, p in model.named_parameters():
         assert torch.equal(p, theirs[hf_name(name)]), name
-    batch = src.batch([0, 1, 2])
-    labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t)
-    losses, *_ = step_losses(model, unroll(model, batch, K), batch, labels)
-    weighted_loss(losses, 0.8).backward()
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            assert p.grad is not None and p.grad.abs().sum() > 0, name
-    assert not model.embed_tokens.weight.requires_grad
+    assert_gradient_reaches_every_parameter(model, src.batch([0, 1, 2]), target, K)
 
 
 def test_save_load_and_to_hf_refuses_a_reduced_vocab(setup, tmp_path):

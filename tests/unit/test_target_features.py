@@ -169,10 +169,13 @@ def test_failed_capture_leaves_nothing(tiny, tmp_path):
 
 
 def test_feature_spec_convention():
-    from kvshot.config import ConfigError, eagle3_aux_layers
+    from kvshot.config import ConfigError, eagle3_aux_layers, fill_defaults
 
     assert eagle3_aux_layers(36) == (2, 18, 33)  # Qwen3-8B
-    assert feature_spec({"aux_layers": None, "kv_layers": "all"}, 8).aux_layers == (2, 4, 7)   # aux_rule relative
-    assert feature_spec({"aux_rule": "eagle3", "aux_layers": None, "kv_layers": "all"}, 8).aux_layers == (2, 4, 5)
+    def features(**given) -> dict:   # as the stages get them: the schema's defaults filled in
+        return fill_defaults({"features": {"aux_layers": None, "kv_layers": "all", "dtype": "float32", **given}})["features"]
+
+    assert feature_spec(features(), 8).aux_layers == (2, 4, 7)   # aux_rule: the schema's default, relative
+    assert feature_spec(features(aux_rule="eagle3"), 8).aux_layers == (2, 4, 5)
     with pytest.raises(ConfigError, match="features.aux_layers"):
-        feature_spec({"aux_layers": None, "kv_layers": "all"}, 4)  # (2, 2, 1) is not three layers
+        feature_spec(features(), 4)  # (2, 2, 1) is not three layers

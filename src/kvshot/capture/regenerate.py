@@ -24,10 +24,6 @@ from kvshot.core.ranked_writer import atomic_write
 from kvshot.data.chat import encode_prompt
 from kvshot.data.sources import read_jsonl
 
-DEFAULTS = {"enabled": False, "max_new_tokens": 512, "batch_size": 32, "temperature": 0.0, "max_turns": None,
-            "max_prompt_len": 2048}
-
-
 @torch.no_grad()
 def generate_batch(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                    ) -> list[tuple[list[int], bool]]:
@@ -53,7 +49,6 @@ def regenerate_conversations(target, tokenizer, conversations: list[dict], rcfg:
     """New conversations with the target's answers, and counts. Turn by turn over a batch of
     conversations: all first answers, then all second ones, ... An empty answer ends its
     conversation there (one without any answer is dropped)."""
-    rcfg = {**DEFAULTS, **rcfg}
     stats = {"conversations": len(conversations), "answers": 0, "tokens": 0, "cut_at_max_new_tokens": 0,
              "empty_answers": 0, "dropped": 0}
     out: list[dict] = []
@@ -101,7 +96,7 @@ def run_regenerate_stage(cfg: dict, rt: Runtime, train_jsonl: str, target_dir: s
     from kvshot.capture.target import load_target
     from kvshot.data.tokenizer import load_tokenizer
 
-    rcfg = {**DEFAULTS, **cfg["data"].get("regenerate", {})}
+    rcfg = dict(cfg["data"]["regenerate"])
     rcfg["max_prompt_len"] = min(rcfg["max_prompt_len"], cfg["data"]["max_len"])
     torch.manual_seed(rt.seed)
     target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
@@ -111,7 +106,7 @@ def run_regenerate_stage(cfg: dict, rt: Runtime, train_jsonl: str, target_dir: s
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, (json.dumps(c, ensure_ascii=False) + "\n" for c in convs))
-    stats.update(settings={k: rcfg[k] for k in DEFAULTS if k != "enabled"}, source=train_jsonl, target=target_dir,
+    stats.update(settings={k: v for k, v in rcfg.items() if k != "enabled"}, source=train_jsonl, target=target_dir,
                  seconds=time.time() - start, written=len(convs))
     atomic_write(out.with_name("stats.json"), [json.dumps(stats, indent=2) + "\n"])
     return {k: stats[k] for k in ("written", "answers", "tokens", "cut_at_max_new_tokens", "seconds")}

@@ -365,8 +365,7 @@ def iter_sources(sources: list[dict], stats_out: list) -> Iterator[tuple[int, in
             it = iter_sharegpt_file(src["path"], stats, max_records=cap)
         elif kind == "hub":
             stats = LoadStats(f"hub:{src['name']}")
-            it = iter_hub_dataset(src["name"], src.get("split", "train"),
-                                  src.get("schema", "sharegpt"), stats,
+            it = iter_hub_dataset(src["name"], src["split"], src["schema"], stats,
                                   data_files=src.get("data_files"), max_records=cap,
                                   revision=src.get("revision"))
         else:

@@ -10,7 +10,7 @@ for the prompt-bootstrap intervals (`prompt_bootstrap`) and the paired E2E claim
 In bf16 a verify forward over several rows and a one-row decode forward round differently,
 so where the target's two best logits are within rounding of each other the two greedy
 outputs may part ways without either being wrong. Every divergence is classified by the
-baseline's top-2 logits at that position: a near-tie (gap <= NEAR_TIE_ULPS units in the last
+baseline's top-2 logits at that position: a near-tie (gap <= eval.e2e.near_tie_ulps units in the last
 place of the target dtype at that magnitude) or a real error; only real errors fail `lossless`."""
 from __future__ import annotations
 
@@ -80,7 +80,6 @@ def pooled_intervals(per_seed_counts: list[dict], samples: int, seed: int) -> di
                                              seed).as_dict()}
 
 
-NEAR_TIE_ULPS = 4   # a verify forward and a decode forward differ by a few roundings per logit
 
 
 def ulp(value: float, dtype: torch.dtype) -> float:
@@ -89,7 +88,7 @@ def ulp(value: float, dtype: torch.dtype) -> float:
     return 2.0 ** math.floor(math.log2(max(abs(value), finfo.tiny))) * finfo.eps
 
 
-def divergence(tokens: list[int], base: DecodeResult, dtype: torch.dtype, ulps: float = NEAR_TIE_ULPS) -> dict | None:
+def divergence(tokens: list[int], base: DecodeResult, dtype: torch.dtype, ulps: float) -> dict | None:
     """None when `tokens` equals the baseline's; else where they first differ and whether the
     baseline's top-2 logits there are a near-tie (after that point the texts differ anyway)."""
     if tokens == base.tokens:
@@ -104,7 +103,7 @@ def divergence(tokens: list[int], base: DecodeResult, dtype: torch.dtype, ulps: 
 
 
 def match_summary(outputs: list[list[int]], baseline: list[DecodeResult], dtype: torch.dtype,
-                  ulps: float = NEAR_TIE_ULPS) -> dict:
+                  ulps: float) -> dict:
     """Exact-match rate over prompts, every divergence classified; lossless = no real error."""
     found = [(i, divergence(out, base, dtype, ulps)) for i, (out, base) in enumerate(zip(outputs, baseline))]
     divergences = [{"prompt": i, **d} for i, d in found if d is not None]
@@ -114,7 +113,7 @@ def match_summary(outputs: list[list[int]], baseline: list[DecodeResult], dtype:
             "divergences": divergences}
 
 
-def summarize(runs: list, baseline: list, dtype: torch.dtype, ulps: float = NEAR_TIE_ULPS) -> dict:
+def summarize(runs: list, baseline: list, dtype: torch.dtype, ulps: float) -> dict:
     """Totals for tau and per-round times, medians over prompts for throughput and speedup;
     outputs checked against plain greedy decoding (`match_summary`)."""
     rounds = sum(r.rounds for r in runs)
@@ -185,7 +184,7 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: s
             for m, spec in modes.items():
                 own[m].append(speculative_generate(target, drafter, ids(it), n_new, eos, aux, spec,
                                                      precision=rt.dtype))
-    ulps = ecfg.get("near_tie_ulps", NEAR_TIE_ULPS)
+    ulps = ecfg["near_tie_ulps"]
 
     def mode_summaries(by_mode: dict, base: list) -> dict:
         return {m: summarize(r, base, target.dtype, ulps) | {"spec": vars(modes[m])} for m, r in by_mode.items()}

@@ -30,7 +30,7 @@ def load_models(cfg: dict, rt: Runtime, target_dir: str | Path, groups: list[lis
     from kvshot.drafters import load_drafter
     from kvshot.drafters.attention import use_attention
 
-    use_attention(cfg["drafters"].get("attention", "auto"))
+    use_attention(cfg["drafters"]["attention"])
     target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
     embed = target.model.embed_tokens.weight
     drafters = [[load_drafter(d, rt.device, embed=embed).eval() for d in dirs] for dirs in groups]

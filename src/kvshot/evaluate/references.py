@@ -58,13 +58,6 @@ def greedy_continuations(target, tokenizer, prompts: list[list[int]], max_new_to
     return out
 
 
-NATURAL_DEFAULTS = {"anchors": 256, "max_prefix_len": 512, "rollout_tokens": 8, "batch_size": 16}
-
-
-def natural_config(ecfg: dict) -> dict:
-    return NATURAL_DEFAULTS | (ecfg.get("natural") or {})
-
-
 def natural_anchors(conversations: list[list[dict]], tokenizer, n: int, max_prefix_len: int, seed: int) -> list[dict]:
     """`n` anchors drawn (seeded, without replacement) from every position of the conversations
     whose token is assistant text followed by more of it; each is the real prefix up to and
@@ -130,7 +123,7 @@ def run_continuations_stage(cfg: dict, rt: Runtime, eval_jsonl: str, target_dir:
     write_json(out_path, result)
     summary = {"prompts": len(items), "tokens": sum(len(i["continuation"]) for i in items)}
     if natural_out:
-        ncfg, start = natural_config(ecfg), time.time()
+        ncfg, start = ecfg["natural"], time.time()
         real = [c["messages"] for c in read_jsonl(eval_jsonl)]   # real assistant text: the eval split itself
         nat = natural_items(target, tokenizer, real, ncfg, cfg["seed"], rt.device)
         if not nat:

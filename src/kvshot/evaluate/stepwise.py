@@ -25,7 +25,7 @@ from kvshot.core.progress import progress
 from kvshot.drafters import Drafter
 from kvshot.drafters.unroll import any_unroll, is_block
 from kvshot.evaluate.eval_models import load_models
-from kvshot.evaluate.references import natural_config, read_continuations, repetition_share
+from kvshot.evaluate.references import read_continuations, repetition_share
 from kvshot.stats.metrics import (DEFAULT_MIN_ROUNDS, DEFAULT_MIN_SEQUENCES, chain_counts, chain_summary,
                                   jeffreys_interval)
 from kvshot.stats.resample import AnchorPanel, panel, panel_record
@@ -132,9 +132,6 @@ def chain_correct(drafter: Drafter, target, items: list[dict], aux_layers: tuple
         yield results[0]
 
 
-DEFAULT_CONTEXT_BUCKETS = [128, 256, 512]   # prefix-token edges of alpha_k by context length (eval.context_buckets)
-
-
 def bucket_labels(edges: list[int]) -> list[str]:
     bounds = [0, *edges]
     return [f"<{edges[0]}"] + [f"{lo}-{hi}" for lo, hi in zip(bounds[1:], bounds[2:])] + [f">={edges[-1]}"]
@@ -219,7 +216,7 @@ def pool_tallies(tallies: list[dict]) -> dict:
 
 
 def summarize_tally(tally: dict, items: list[dict], steps: int, bootstrap_samples: int = 1000, seed: int = 0,
-                    min_rounds: int = DEFAULT_MIN_ROUNDS, context_buckets: list[int] | None = None,
+                    min_rounds: int = DEFAULT_MIN_ROUNDS, context_buckets: tuple[int, ...] = (),
                     anchors: AnchorPanel | None = None, min_sequences: int = DEFAULT_MIN_SEQUENCES) -> dict:
     """alpha_k, acc_k, MAT, retention with intervals that resample whole sequences
     (`chain_summary`; anchors: the per-anchor panel of every seed pooled in the tally, default the
@@ -234,7 +231,8 @@ def summarize_tally(tally: dict, items: list[dict], steps: int, bootstrap_sample
         "repetition": repetition_share(items),
     }
     result.update(chain_summary(anchors, bootstrap_samples, seed, min_rounds, min_sequences=min_sequences))
-    result["by_context"] = by_context(tally["contexts"], tally["chains"], list(context_buckets or DEFAULT_CONTEXT_BUCKETS))
+    if context_buckets:   # eval.context_buckets; none given (a direct call): no breakdown by context length
+        result["by_context"] = by_context(tally["contexts"], tally["chains"], list(context_buckets))
     return result
 
 
@@ -248,7 +246,7 @@ def order_items(items: list[dict]) -> list[dict]:
 def stepwise(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
              batch_size: int, device: str, bootstrap_samples: int = 1000, seed: int = 0,
              dtype: str = "float32", min_rounds: int = DEFAULT_MIN_ROUNDS,
-             context_buckets: list[int] | None = None, min_sequences: int = DEFAULT_MIN_SEQUENCES) -> dict:
+             context_buckets: tuple[int, ...] = (), min_sequences: int = DEFAULT_MIN_SEQUENCES) -> dict:
     """One drafter's step-wise record (`chain_tally` then `summarize_tally`)."""
     items = order_items(items)
     tally = chain_tally(drafter, target, items, aux_layers, steps, batch_size, device, dtype)
@@ -280,7 +278,7 @@ def across_seeds(per_seed: list[dict]) -> dict:
 def stepwise_seeds(drafters: list[tuple[int, Drafter]], target, items: list[dict], aux_layers: tuple[int, ...],
                    steps: int, batch_size: int, device: str, bootstrap_samples: int = 1000, seed: int = 0,
                    dtype: str = "float32", min_rounds: int = DEFAULT_MIN_ROUNDS,
-                   context_buckets: list[int] | None = None, min_sequences: int = DEFAULT_MIN_SEQUENCES) -> dict:
+                   context_buckets: tuple[int, ...] = (), min_sequences: int = DEFAULT_MIN_SEQUENCES) -> dict:
     """The step-wise record of a variant trained with several seeds, [(seed, drafter)]: pooled
     over seeds (per-sequence counts summed: the seed-averaged drafter, prompt intervals), with
     every seed's own record in `per_seed` and their spread in `across_seeds`."""
@@ -292,7 +290,7 @@ def stepwise_seeds(drafters: list[tuple[int, Drafter]], target, items: list[dict
 
 def seeds_record(seeds: list[int | None], tallies: list[dict], items: list[dict], steps: int,
                  bootstrap_samples: int = 1000, seed: int = 0, min_rounds: int = DEFAULT_MIN_ROUNDS,
-                 context_buckets: list[int] | None = None, min_sequences: int = DEFAULT_MIN_SEQUENCES) -> dict:
+                 context_buckets: tuple[int, ...] = (), min_sequences: int = DEFAULT_MIN_SEQUENCES) -> dict:
     """`stepwise_seeds`' record from the seeds' tallies (`chain_tallies`, in `order_items` order)."""
     per_seed = []
     for s, tally in zip(seeds, tallies):
@@ -310,7 +308,6 @@ def seeds_record(seeds: list[int | None], tallies: list[dict], items: list[dict]
     return result
 
 
-MAX_REPETITION = 0.25   # claims are judged on a protocol whose reference repeats at most this much (eval.max_repetition)
 
 
 def drafter_seed(drafter_dir: str | Path) -> int | None:
@@ -350,7 +347,7 @@ def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_d
     natural_outs = [natural_out] if isinstance(natural_out, (str, Path)) else list(natural_out or [])
     if bool(natural) != bool(natural_outs) or (natural and len(natural_outs) != len(outs)):
         raise DataError("eval-stepwise: --natural and --natural-out go together (one --natural-out per --out)")
-    steps, rollout = cfg["drafters"]["ttt_steps"], natural_config(cfg["eval"])["rollout_tokens"]
+    steps, rollout = cfg["drafters"]["ttt_steps"], cfg["eval"]["natural"]["rollout_tokens"]
     if natural and rollout < steps:
         raise ConfigError(f"config: eval.natural.rollout_tokens: {rollout} < drafters.ttt_steps {steps} "
                           f"(a chain of K steps needs K rollout tokens; K + 1 is the reference chain)")
@@ -366,17 +363,17 @@ def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_d
     summary: dict = {}
     for name, (items, paths) in protocols.items():
         start = time.time()
-        batch = ecfg["batch_size"] if name == "continuations" else natural_config(ecfg)["batch_size"]
+        batch = ecfg["batch_size"] if name == "continuations" else ecfg["natural"]["batch_size"]
         items = order_items(items)
         flat = [d for variant in drafters for _, d in variant]
         tallies = iter(chain_tallies(flat, target, items, aux, steps, batch, rt.device, rt.dtype))
         seconds = time.time() - start
         for dirs, variant, path in zip(groups, drafters, paths):
             result = seeds_record([s for s, _ in variant], [next(tallies) for _ in variant], items, steps,
-                                  ecfg["bootstrap_samples"], cfg["seed"], ecfg["min_rounds"], ecfg.get("context_buckets"),
-                                  ecfg.get("min_sequences", DEFAULT_MIN_SEQUENCES))
+                                  ecfg["bootstrap_samples"], cfg["seed"], ecfg["min_rounds"], ecfg["context_buckets"],
+                                  ecfg["min_sequences"])
             first = variant[0][1]
-            result.update(protocol=name, max_repetition=ecfg.get("max_repetition", MAX_REPETITION),
+            result.update(protocol=name, max_repetition=ecfg["max_repetition"],
                           variant=drafter_variant(dirs[0]), drafters=[str(d) for d in dirs],
                           paradigm=first.cfg.paradigm, layers=first.cfg.num_layers, seconds=seconds,
                           device=rt.device, threads=rt.threads)

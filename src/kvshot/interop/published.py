@@ -254,7 +254,7 @@ def import_variant(cfg: dict, name: str, target_dir: str, features_dir: str, out
 
     v = variant_config(cfg, name)
     where = f"config: drafters.variants.{name}"
-    layout = v.get("format", "eagle3")
+    layout = v["format"]
     if layout not in LAYOUTS or v["paradigm"] != "hidden" or v["layers"] != 1:
         raise FormatError(f"{where}: weights: only a one-layer hidden-paradigm head in format eagle3 or speculators "
                           "can be imported")

@@ -102,7 +102,7 @@ def ddp_buckets_alias_grads() -> bool:
 
 def config_arch(cfg: dict) -> dict:
     """The shapes of the config's pretrained target (QWEN3_ARCHS by hub name); Qwen3-8B otherwise."""
-    return QWEN3_ARCHS.get(cfg.get("target", {}).get("name"), QWEN3_8B)
+    return QWEN3_ARCHS.get(cfg["target"]["name"], QWEN3_8B)
 
 
 @dataclass
@@ -342,7 +342,7 @@ class PaperShapes:
         rows: list[Row] = []
         tp = self.cfg["target"]["pretrain"]
         blocks = torch.ones(tp["batch_size"], tp["block_size"], dtype=torch.long)
-        with self._measure(rows, "target heldout loss", self.cfg["target"].get("name", "target"), "token", blocks.numel()):
+        with self._measure(rows, "target heldout loss", self.cfg["target"]["name"] or "target", "token", blocks.numel()):
             heldout_loss(self.target, blocks, tp["batch_size"], "cpu")
         ecfg, ncfg = self.cfg["eval"], self.cfg["eval"]["natural"]
         stub = SimpleNamespace(eos_token_id=None, pad_token_id=0)   # no EOS: every generation runs its length

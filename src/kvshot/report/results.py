@@ -236,7 +236,6 @@ def load_variants(results: str | Path, names: list[str], with_e2e: bool = True,
 
 PROTOCOL_FILES = {"continuations": "stepwise.json", "natural": "stepwise_natural.json"}
 PREFERENCE = ("continuations", "natural")   # the paper's protocol first, when its reference is not degenerate
-DEFAULT_MAX_REPETITION = 0.25
 
 
 def protocol_names(variants: list[Variant]) -> list[str]:
@@ -258,8 +257,7 @@ def judged_protocol(variants: list[Variant]) -> dict:
     is at most `max_repetition` (stepwise.json, eval.max_repetition); none qualifying, the least
     repetitive, with a note. Returns {protocol, repetition, max_repetition, candidates, note}."""
     names = protocol_names(variants)
-    limit = next((v.protocols[n].get("max_repetition") for v in variants for n in names
-                  if v.protocols.get(n, {}).get("max_repetition") is not None), DEFAULT_MAX_REPETITION)
+    limit = next((v.protocols[n]["max_repetition"] for v in variants for n in names if n in v.protocols), None)
     reps = {n: repetition_of(variants, n) for n in names}
     ok = [n for n in names if reps[n] <= limit]
     out = {"max_repetition": limit, "candidates": {n: (None if math.isnan(r) else r) for n, r in reps.items()}}

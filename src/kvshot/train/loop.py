@@ -157,8 +157,8 @@ def setup(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, targ
 
     v = variant_config(cfg, name)
     tc, dcfg = v["train"], cfg["drafters"]
-    use_attention(dcfg.get("attention", "auto"))
-    deadline = stop_deadline(runtime_minutes, tc.get("stop_margin_minutes", 0))
+    use_attention(dcfg["attention"])
+    deadline = stop_deadline(runtime_minutes, tc["stop_margin_minutes"])
     accel = Accelerator(cpu=rt.device == "cpu")
     world, rank = accel.num_processes, accel.process_index
     torch.manual_seed(rt.seed)
@@ -223,7 +223,7 @@ def setup(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, targ
         groups=param_groups(model), waiting=held_back(model, v), ddp=ddp, steps_k=steps_k, decay=decay, params=params,
         opt=opt, sched=sched, ckpt=ckpt, progress=progress, saved_step=saved_step, live=live,
         # the validation split: held out like eval, and what training-time measurements read (not the eval anchors)
-        probe_batches=diagnostic_batches(val_src, tc.get("diagnostic_sequences", 4), tc["max_len"], rt.device),
+        probe_batches=diagnostic_batches(val_src, tc["diagnostic_sequences"], tc["max_len"], rt.device),
         deadline=deadline, runtime_minutes=runtime_minutes,
         lengths=lengths if group > 1 else None, budget=budget,
         denominators=loss_denominators(budget, world, rt.device))
@@ -399,7 +399,7 @@ def stop_for_runtime(run: Run) -> None:
     checkpoint(run)
     run.bar.close()
     msg = (f"train {run.name}: stopped at step {run.progress['step']} of {run.tc['max_steps']}, "
-           f"{run.tc.get('stop_margin_minutes', 0)} min before the job's {run.runtime_minutes} min runtime; "
+           f"{run.tc['stop_margin_minutes']} min before the job's {run.runtime_minutes} min runtime; "
            f"checkpoint {run.ckpt}; a rerun resumes from it")
     if run.rank == 0:
         print(msg, flush=True)

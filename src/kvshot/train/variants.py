@@ -25,7 +25,7 @@ def variant_config(cfg: dict, name: str) -> dict:
     if v["paradigm"] == "block":   # default: K mask slots after x_{t+1}, as far as the K-step chain drafts
         v.setdefault("block_size", dcfg.get("block_size") or dcfg["ttt_steps"] + 1)
     if v["paradigm"] != "standalone":   # the standalone LM starts from the target's layers and head anyway
-        v.setdefault("head_init", dcfg.get("head_init", "random"))
+        v.setdefault("head_init", dcfg["head_init"])
     return v
 
 
@@ -41,12 +41,21 @@ def draft_vocab(source: FeatureSource, size: int, vocab_size: int, samples: int 
     return torch.tensor(sorted(order), dtype=torch.long)
 
 
+# variant field -> DrafterConfig field. A field the variant leaves out takes the drafter format's
+# default (DrafterConfig), the value a saved drafter without that field is read with.
+VARIANT_FIELDS = {"gate_shape": "gate_shape", "gate_init": "gate_init", "block_size": "block_size",
+                  "refine_passes": "block_refine", "context": "block_context", "norm_before_fc": "norm_before_fc",
+                  "fc_norm": "fc_norm", "norm_output": "norm_output", "norm_output_convention": "norm_output_convention"}
+
+
 def build_variant(v: dict, target_cfg, embed: torch.Tensor, d2t: torch.Tensor, target=None) -> Drafter:
     """A fresh drafter for variant `v`. The standalone LM drafts over the full vocabulary and,
     given the `target` model, starts from its first layers (then TTT distills it)."""
     n_target = target_cfg.num_hidden_layers
     depth, paradigm = v["layers"], v["paradigm"]
-    reads_kv = paradigm in ("kv", "hybrid") or (paradigm == "block" and v.get("context", "kv") == "kv")
+    own = {field: v[key] for key, field in VARIANT_FIELDS.items() if v.get(key) is not None}
+    block_context = own.get("block_context", DrafterConfig.block_context)
+    reads_kv = paradigm in ("kv", "hybrid") or (paradigm == "block" and block_context == "kv")
     kv_layers = v.get("kv_layers") or list(range(n_target - depth, n_target))  # the top target layers
     if reads_kv and len(kv_layers) != depth:
         raise ConfigError(f"config: drafters.variants.{v['name']}.kv_layers: {len(kv_layers)} layers for depth {depth}")
@@ -58,19 +67,14 @@ def build_variant(v: dict, target_cfg, embed: torch.Tensor, d2t: torch.Tensor, t
         head_dim=target_cfg.head_dim, intermediate_size=v.get("intermediate_size") or target_cfg.intermediate_size,
         vocab_size=target_cfg.vocab_size, draft_vocab_size=len(d2t), rope_theta=rope_theta(target_cfg),
         rms_norm_eps=target_cfg.rms_norm_eps, kv_layers=list(kv_layers) if reads_kv else [],
-        gate_shape=v.get("gate_shape", "scalar"), gate_init=float(v.get("gate_init", 0.5)),
         # default: the target's own attention (Qwen3: q/k norm; Llama: none); the standalone LM
         # starts from the target's layers, so it always has the target's
-        qk_norm=has_qk_norm(target_cfg) if paradigm == "standalone" else bool(v.get("qk_norm", has_qk_norm(target_cfg))), block_size=int(v.get("block_size") or 0),
-        block_refine=int(v.get("refine_passes") or 0),
-        block_context=v.get("context", "kv"), norm_before_fc=bool(v.get("norm_before_fc", False)),
-        fc_norm=bool(v.get("fc_norm", False)), norm_output=bool(v.get("norm_output", False)),
-        norm_output_convention=v.get("norm_output_convention", "vllm"))
+        qk_norm=v["qk_norm"] if paradigm != "standalone" and "qk_norm" in v else has_qk_norm(target_cfg), **own)
     model = build_drafter(dc)
     model.set_vocab(embed, d2t)
     if paradigm == "standalone" and target is not None:
         init_from_target(model, target)
-    elif v.get("head_init", "random") == "target" and target is not None:
+    elif v.get("head_init") == "target" and target is not None:
         init_head_from_target(model, target, d2t)
     return model
 
