@@ -18,6 +18,7 @@ import jsonschema
 import yaml
 
 from kvshot.core import taps
+
 from .checks import check_consistency
 
 SECTIONS = ("data", "tokenizer", "target", "features", "drafters", "eval", "scaling")

@@ -1,7 +1,8 @@
 """Drafter paradigms: one skeleton, three ways to read the target's context, a block-wise
 drafter (one forward per block, the paper's proposed remedy), and a standalone draft model
 that reads none of it (the classic baseline). The registry below is
-the one place that names them: building and loading a drafter go through it."""
+the one place that names them: building and loading a drafter go through it. `unroll` runs a
+drafter over a batch, the one way training and evaluation both do."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,6 +11,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from kvshot.core.integrity import verify_folder
+
 from .block import BlockDrafter
 from .hidden import HiddenDrafter
 from .hybrid import HybridDrafter

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from kvshot.core.integrity import write_manifest
 from kvshot.core.io import atomic_dir, write_json
+
 from .attention import attention
 from .fused import rms_norm
 

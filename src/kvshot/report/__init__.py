@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 from kvshot.core.io import read_json, write_json, write_text
+
 from .claims import claims_markdown, evaluate_claims
 from .figures import FIGURES
 from .results import load_variants

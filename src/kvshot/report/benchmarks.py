@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvshot.core.io import read_json
+
 from .tables import csv_text
 
 

@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 
 from kvshot.core.io import read_json, write_json, write_text
+
 from .claims import (INCONCLUSIVE, MISSING, NOT_REPRODUCED, REPRODUCED, Judge, _gate_claim, _per_seed, agree, alpha_at,
                      claim, claims_markdown, combine, mat_of)
 from .diagnostic_rules import band, log_values, paired_replicates, side

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvshot.stats.resample import AnchorPanel, Interval, count_why, interval, read_panel, reason_why, same_anchors
+
 from .diagnostic_rules import (GATE_CLOSED_FRACTION, GATE_EARLY_FRACTION, GATE_MIN_POINTS, GATE_SHARE,
                                KV_POSITION_RATIO, KV_SPARSE_RATIO, band, gate_collapse, gate_trajectory, log_values,
                                replicates, share_trajectory, side)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvshot.core.io import read_json, write_json, write_text
+
 from .claims import INCONCLUSIVE, MISSING, Judge, alpha_at, claim, claims_markdown, retention_of
 from .figures import _err, _save, _style, plt
 from .results import Variant, judged_protocol, load_variants, roles, seed_folders, seed_runs, with_protocol

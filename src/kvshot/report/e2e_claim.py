@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvshot.stats.prompt_bootstrap import Interval, paired_ratio_change, ratio
+
 from .results import PAPER, Variant
 from .verdicts import INCONCLUSIVE, MISSING, NOT_REPRODUCED, REPRODUCED, claim
 

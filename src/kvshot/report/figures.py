@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from kvshot.core.io import atomic_file  # noqa: E402
+
 from .results import (PAPER, Variant, block_context, is_ablation, judged_protocol, protocol_names,  # noqa: E402
                       roles, with_protocol)
 

@@ -6,6 +6,7 @@ import io
 from pathlib import Path
 
 from kvshot.core.io import atomic_dir, write_text
+
 from .results import PAPER, Variant, anchor_counts, judged_protocol, protocol_names, roles, with_protocol
 
 
