@@ -6,6 +6,7 @@ import errno
 import json
 import sys
 import traceback
+from pathlib import Path
 
 from .config import ConfigError, read_config, runtime
 from kvshot.core.gguf import GGUFError
@@ -49,15 +50,29 @@ def _cmd_capture_features(args, cfg) -> dict:
 def _cmd_train_drafter(args, cfg) -> dict:
     from kvshot.train.loop import STOP_EXIT_CODE, StoppedForRuntime, train_variant
 
-    entry = next((v for v in cfg["drafters"]["variants"] if v["name"] == args.variant), {})
+    if args.seed is not None:
+        cfg["seed"] = args.seed
+    if len(args.variant) > 1:   # a group (drafters.group_training): one stream of batches for all
+        from kvshot.train.group import train_group
+
+        names = args.variant
+        root = args.checkpoints or f"{args.out}.ckpt"   # each member's checkpoint: <root>/<variant>/seed<N>.ckpt
+        try:
+            ms = train_group(cfg, runtime(cfg), names, args.train_features, args.eval_features, args.target,
+                             [str(Path(args.out) / n) for n in names], args.runtime_minutes,
+                             val_dir=args.val_features,
+                             ckpt_dirs=[str(Path(root) / n / f"seed{cfg['seed']}.ckpt") for n in names])
+        except StoppedForRuntime:
+            sys.exit(STOP_EXIT_CODE)
+        return {n: {k: m.get(k) for k in ("steps", "stopped_by", "train_seconds")} for n, m in ms.items()}
+    (name,) = args.variant
+    entry = next((v for v in cfg["drafters"]["variants"] if v["name"] == name), {})
     if entry.get("weights"):   # a published head (variant `weights:`): imported, not trained
         from kvshot.interop.published import import_variant
 
-        return import_variant(cfg, args.variant, args.target, args.train_features, args.out)
-    if args.seed is not None:
-        cfg["seed"] = args.seed
+        return import_variant(cfg, name, args.target, args.train_features, args.out)
     try:
-        m = train_variant(cfg, runtime(cfg), args.variant, args.train_features, args.eval_features, args.target,
+        m = train_variant(cfg, runtime(cfg), name, args.train_features, args.eval_features, args.target,
                           args.out, args.runtime_minutes, val_dir=args.val_features)
     except StoppedForRuntime:   # checkpointed before the job's limit: a distinct code, so a retry resumes
         sys.exit(STOP_EXIT_CODE)
@@ -275,6 +290,9 @@ def parser() -> argparse.ArgumentParser:
         for name in names:
             if name in ("drafter", "reference", "hybrid"):   # one variant's drafters, one per training seed
                 s.add_argument(f"--{name}", required=True, nargs="+", help=PATH_HELP[name])
+            elif stage == "train-drafter" and name == "variant":   # several: a group, trained side by side
+                s.add_argument("--variant", required=True, nargs="+", help=PATH_HELP[name] + " (several: trained "
+                               "side by side on one stream of batches, each into <out>/<variant>)")
             elif stage == "eval-stepwise" and name == "out":   # several: one per variant, one target pass
                 s.add_argument("--out", required=True, nargs="+", help=PATH_HELP[name] + " (several: one per "
                                "variant, in the order of the drafters' variants, scored in one target pass)")
@@ -303,6 +321,9 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--runtime-minutes", type=float, default=None,
                            help="the job's wall-clock limit: checkpoint and exit 75 at this less "
                                 "drafters.train.stop_margin_minutes, counted from process start")
+            s.add_argument("--checkpoints", default=None,
+                           help="several variants: each member's checkpoint goes to <this>/<variant>/seed<N>.ckpt "
+                                "(results/drafters: where it trains alone; default: <out>.ckpt)")
     s = sub.add_parser("readme", parents=[common], help="regenerate the README's results block")
     s.add_argument("--results", default="results", help="the results folder of a finished run")
     s.add_argument("--readme", default="README.md", help="the README whose results block is replaced")

@@ -65,10 +65,66 @@ def variant_params(*sections):
     def params(wildcards):
         cfg = stage_config(config, *sections)
         own = [v for _, v in all_variants(config) if v["name"] == wildcards.variant]
-        cfg["drafters"] = {**cfg["drafters"], "variants": own}
+        # group_training changes no drafter (kvshot.train.group): toggling it retrains nothing
+        cfg["drafters"] = {k: x for k, x in cfg["drafters"].items() if k != "group_training"} | {"variants": own}
         return json.dumps(cfg, sort_keys=True)
 
     return params
+
+
+class TrainGroups:
+    """drafters.group_training for one set of variants (kvshot.checks.training_groups): the groups
+    that train side by side (a train_drafter_group job each, under <root>/.groups/<group>/seed<N>,
+    members joined by '+'), and the variants that train alone (train_drafter)."""
+
+    def __init__(self, names):
+        from kvshot.checks import training_groups
+
+        self.groups = training_groups(config, list(names))
+        self.of = {v: "+".join(g) for g in self.groups for v in g}
+        self.alone = [v for v in names if v not in self.of]
+
+    def alone_pattern(self):
+        return "|".join(re.escape(v) for v in self.alone) or NO_MATCH
+
+    def grouped_pattern(self):
+        return "|".join(re.escape(v) for v in self.of) or NO_MATCH
+
+    def group_pattern(self):
+        return "|".join(re.escape("+".join(g)) for g in self.groups) or NO_MATCH
+
+    def folder(self, root):
+        """The input function of a grouped variant's drafter: its group's job folder under root."""
+
+        def folder(wildcards):
+            return f"{root.format(**wildcards)}/.groups/{self.of[wildcards.variant]}/seed{wildcards.seed}"
+
+        return folder
+
+
+def group_params(*sections):
+    """variant_params for a group job: drafters.variants holds its members' entries."""
+
+    def params(wildcards):
+        members = wildcards.group.split("+")
+        cfg = stage_config(config, *sections)
+        own = [v for _, v in all_variants(config) if v["name"] in members]
+        cfg["drafters"] = {k: x for k, x in cfg["drafters"].items() if k != "group_training"} | {"variants": own}
+        return json.dumps(cfg, sort_keys=True)
+
+    return params
+
+
+def group_variants(wildcards):
+    return " ".join(wildcards.group.split("+"))
+
+
+def link_drafter(group_folder, variant, out):
+    """A grouped drafter's folder at its usual path: hard links to the group job's files (no
+    second copy on disk; a copy where the filesystem has no hard links)."""
+    from kvshot.core.io import link_tree
+
+    link_tree(Path(group_folder) / variant, out)
 
 
 def split_jsonl(wildcards):
