@@ -77,10 +77,11 @@ class TrainGroups:
     that train side by side (a train_drafter_group job each, under <root>/.groups/<group>/seed<N>,
     members joined by '+'), and the variants that train alone (train_drafter)."""
 
-    def __init__(self, names):
+    def __init__(self, names, among=None):
+        """among: group only these of names (the scaling sweep's variants); the rest train alone."""
         from kvshot.checks import training_groups
 
-        self.groups = training_groups(config, list(names))
+        self.groups = training_groups(config, [v for v in names if among is None or v in among])
         self.of = {v: "+".join(g) for g in self.groups for v in g}
         self.alone = [v for v in names if v not in self.of]
 
@@ -204,6 +205,13 @@ def train_threads():
     return config["drafters"]["train"]["num_processes"] * train_rank_threads()
 
 
+def job_variants(wildcards):
+    """The drafters.variants entries a training job trains: its variant, or its group's members."""
+    group = getattr(wildcards, "group", None)
+    names = group.split("+") if group else [wildcards.variant]
+    return [v for v in config["drafters"]["variants"] if v["name"] in names]
+
+
 def scaling_overlay(wildcards):
     """The data-scaling sweep's change, as `--config` words: train on the first N captured
     samples, for the steps that give every N the epochs the largest N gets at
@@ -212,10 +220,10 @@ def scaling_overlay(wildcards):
 
     from kvshot.train.launch import scaled_steps
 
-    own = next(v for v in config["drafters"]["variants"] if v["name"] == wildcards.variant)
-    if "max_steps" in own.get("train", {}):
-        raise WorkflowError(f"config: drafters.variants.{wildcards.variant}.train.max_steps: the scaling sweep "
-                            "scales drafters.train.max_steps; a variant's own max_steps would escape it")
+    for own in job_variants(wildcards):
+        if "max_steps" in own.get("train", {}):
+            raise WorkflowError(f"config: drafters.variants.{own['name']}.train.max_steps: the scaling sweep "
+                                "scales drafters.train.max_steps; a variant's own max_steps would escape it")
     n = int(wildcards.n)
     steps = scaled_steps(config["drafters"]["train"]["max_steps"], n, max(config["scaling"]["train_samples"]))
     overlay = {"drafters": {"train": {"train_samples": n, "max_steps": steps}}}
@@ -230,11 +238,11 @@ def plateau_overlay(wildcards):
     plateau = config.get("plateau") or {}
     if not plateau:
         raise WorkflowError("config: plateau: missing (max_steps, eval_every, rule): the plateau target needs it")
-    own = next(v for v in config["drafters"]["variants"] if v["name"] == wildcards.variant)
-    for key in ("max_steps", "eval_every", "plateau"):
-        if key in own.get("train", {}):
-            raise WorkflowError(f"config: drafters.variants.{wildcards.variant}.train.{key}: the plateau target sets "
-                                f"drafters.train.{key}; a variant's own would escape it")
+    for own in job_variants(wildcards):
+        for key in ("max_steps", "eval_every", "plateau"):
+            if key in own.get("train", {}):
+                raise WorkflowError(f"config: drafters.variants.{own['name']}.train.{key}: the plateau target sets "
+                                    f"drafters.train.{key}; a variant's own would escape it")
     train = {"max_steps": plateau["max_steps"], "eval_every": plateau["eval_every"], "plateau": plateau["rule"]}
     return f" --config {shlex.quote(json.dumps({'drafters': {'train': train}}, sort_keys=True))}"
 
