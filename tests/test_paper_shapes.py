@@ -258,7 +258,7 @@ def test_a_group_step_costs_its_members_less_the_shared_target_forwards(paper):
     from kvshot.paper_shapes.group_shapes import group_train_row
 
     names = _paper_groups()[0]
-    alone = sum(paper.train_rows(n)[0].tflop for n in names)
+    alone = sum(group_train_row(paper, [n]).tflop for n in names)   # a group of one: train_drafter's step
     src, rows = open_features(paper.folder, paper.rt, model=paper.target), []
     with paper._measure(rows, "target forward", "batch", "step", 1):
         src.batch([0])   # every captured layer: the most a group reads
