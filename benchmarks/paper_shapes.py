@@ -5,6 +5,7 @@ CPU by running the real kvshot code with fake float tensors (`kvshot.paper_shape
 
     python benchmarks/paper_shapes.py                      # every rule and variant (9-26 min on 2 cores)
     python benchmarks/paper_shapes.py --only train --variants kv-d1 standalone
+    python benchmarks/paper_shapes.py --only groups   # the config's training groups (drafters.group_training)
 
 GB are 10^9 bytes. GPU-hours = FLOPs / (MFU x peak) / 3600: not measured on a GPU. Each row's
 peak is also shown with the CUDA allowance the meter cannot see (`shape_rules.cuda_gb`: x 1.10
@@ -21,13 +22,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvshot.config import read_config  # noqa: E402
+from kvshot.paper_shapes.group_shapes import config_groups, group_train_row  # noqa: E402
 from kvshot.paper_shapes.shape_rules import (CUDA_FIXED_GB, FRAGMENTATION, GPU_GB, HEADROOM_GB, PaperShapes, Row,
                                              ddp_buckets_alias_grads, gpu_limit_gb)
 
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_TFLOPS = 989.0   # H100 SXM dense bf16
 MFU = 0.40            # assumed, as docs/paper-scale.md: 396 TFLOP/s effective
-PARTS = ("train", "stepwise", "e2e", "target")
+PARTS = ("train", "groups", "stepwise", "e2e", "target")
 
 
 def measure(ps: PaperShapes, variants: list[str], parts: tuple[str, ...], e2e_tokens: int,
@@ -40,6 +42,8 @@ def measure(ps: PaperShapes, variants: list[str], parts: tuple[str, ...], e2e_to
             rows.append(ps.stepwise_row(name))
         if "e2e" in parts:
             rows += ps.e2e_rows(name, e2e_tokens, e2e_modes)
+    if "groups" in parts:   # each training group's step (drafters.group_training)
+        rows += [group_train_row(ps, g) for g in config_groups(ps.cfg)]
     if "target" in parts:
         rows += ps.target_rows(e2e_tokens)
     return rows
@@ -60,7 +64,7 @@ def training_hours(rows: list[Row], cfg: dict, mfu: float = MFU, peak_tflops: fl
     tc = cfg["drafters"]["train"]
     out = []
     for r in rows:
-        if r.rule == "train_drafter":
+        if r.rule in ("train_drafter", "train_drafter_group"):
             flops = r.tflop_per * 1e12 * tc["num_processes"] * tc["max_steps"]
             out.append((r.what, r.tflop_per, tc["max_steps"], flops / (mfu * peak_tflops * 1e12) / 3600))
     return out
@@ -88,9 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     if hours:
         print(f"\nTraining GPU-hours at {MFU:.0%} MFU of {PEAK_TFLOPS:.0f} TFLOP/s "
               f"({MFU * PEAK_TFLOPS:.0f} TFLOP/s effective; derived, not measured on a GPU):\n")
-        print("| variant | TFLOP per step per rank | steps | GPU-h |\n|---|---:|---:|---:|")
+        print("| variant / group | TFLOP per step per rank | steps | GPU-h |\n|---|---:|---:|---:|")
         for name, tflop, steps, h in hours:
             print(f"| {name} | {tflop:.1f} | {steps:,} | {h:.1f} |")
+        alone = {name: h for name, _, _, h in hours if "+" not in name}
+        grouped = [name for name, _, _, h in hours if "+" in name]
+        if grouped and all(n in alone for g in grouped for n in g.split("+")):
+            by = dict((name, h) for name, _, _, h in hours)
+            print("\nSide by side (drafters.group_training) against alone:\n")
+            for g in grouped:
+                print(f"- {g}: {by[g]:.1f} GPU-h side by side, {sum(alone[n] for n in g.split('+')):.1f} alone")
     over = [r for r in rows if not r.fits(args.gpu_gb)]
     print(f"\n{len(rows)} rows in {time.perf_counter() - start:.0f} s; over {gpu_limit_gb(args.gpu_gb):.0f} GB "
           "with the allowance: " + (", ".join(f"{r.rule} {r.what} ({r.cuda_gb:.1f} GB)" for r in over) or "none"))

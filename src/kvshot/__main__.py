@@ -7,6 +7,7 @@ import json
 import sys
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from .config import ConfigError, fill_defaults, read_config, runtime
@@ -51,15 +52,29 @@ def _cmd_capture_features(args, cfg) -> dict:
 def _cmd_train_drafter(args, cfg) -> dict:
     from kvshot.train.loop import STOP_EXIT_CODE, StoppedForRuntime, train_variant
 
-    entry = next((v for v in cfg["drafters"]["variants"] if v["name"] == args.variant), {})
+    if args.seed is not None:
+        cfg["seed"] = args.seed
+    if len(args.variant) > 1:   # a group (drafters.group_training): one stream of batches for all
+        from kvshot.train.group import train_group
+
+        names = args.variant
+        root = args.checkpoints or f"{args.out}.ckpt"   # each member's checkpoint: <root>/<variant>/seed<N>.ckpt
+        try:
+            ms = train_group(cfg, runtime(cfg), names, args.train_features, args.eval_features, args.target,
+                             [str(Path(args.out) / n) for n in names], args.runtime_minutes,
+                             val_dir=args.val_features,
+                             ckpt_dirs=[str(Path(root) / n / f"seed{cfg['seed']}.ckpt") for n in names])
+        except StoppedForRuntime:
+            sys.exit(STOP_EXIT_CODE)
+        return {n: {k: m.get(k) for k in ("steps", "stopped_by", "train_seconds")} for n, m in ms.items()}
+    (name,) = args.variant
+    entry = next((v for v in cfg["drafters"]["variants"] if v["name"] == name), {})
     if entry.get("weights"):   # a published head (variant `weights:`): imported, not trained
         from kvshot.interop.published import import_variant
 
-        return import_variant(cfg, args.variant, args.target, args.train_features, args.out)
-    if args.seed is not None:
-        cfg["seed"] = args.seed
+        return import_variant(cfg, name, args.target, args.train_features, args.out)
     try:
-        m = train_variant(cfg, runtime(cfg), args.variant, args.train_features, args.eval_features, args.target,
+        m = train_variant(cfg, runtime(cfg), name, args.train_features, args.eval_features, args.target,
                           args.out, args.runtime_minutes, val_dir=args.val_features)
     except StoppedForRuntime:   # checkpointed before the job's limit: a distinct code, so a retry resumes
         sys.exit(STOP_EXIT_CODE)
@@ -198,7 +213,8 @@ PATH_HELP = {
     "metrics": "where to write the target's metrics JSON",
     "split": "the split JSONL to capture features for",
     "target": "target folder (results/target)",
-    "variant": "drafter variant name from drafters.variants",
+    "variant": "drafter variant name from drafters.variants (several: trained side by side on one stream of "
+               "batches, each into <out>/<variant>)",
     "train-features": "train features folder (results/features/train)",
     "eval-features": "eval features folder (results/features/eval): the final teacher-forced metrics",
     "drafter": "the variant's drafter folders, one per training seed (results/drafters/<variant>/seed<N>)",
@@ -215,7 +231,8 @@ PATH_HELP = {
     "figure": "where to write the figure (scaling or block-wise)",
     "table": "where to write the table (scaling or block-wise)",
 }
-SEED_FOLDERS = ("drafter", "reference", "hybrid")   # one variant's drafters, one per training seed: nargs +
+# nargs +: one variant's drafters, one per training seed; or a group of variants trained side by side
+MANY = ("drafter", "reference", "hybrid", "variant")
 REPORT_PATHS = ("results", "figure", "table", "claims-md", "claims-json")
 THREADS = ("--threads", dict(type=int, default=None, help="torch threads"))
 
@@ -249,7 +266,10 @@ STAGES = {
                                  "held-out curve and plateau stop (default: --eval-features, recorded as metrics "
                                  "heldout_split: eval)")),
          ("--runtime-minutes", dict(type=float, default=None, help="the job's wall-clock limit: checkpoint and exit "
-                                    "75 at this less drafters.train.stop_margin_minutes, counted from process start")))),
+                                    "75 at this less drafters.train.stop_margin_minutes, counted from process start")),
+         ("--checkpoints", dict(default=None, help="several variants: each member's checkpoint goes to "
+                                "<this>/<variant>/seed<N>.ckpt (results/drafters: where it trains alone; default: "
+                                "<out>.ckpt)")))),
     "target-continuations": Stage(
         _cmd_target_continuations, ("target", "eval"),
         "the target's greedy continuations of the eval prompts (the step-wise reference)", ("eval", "target", "out"),
@@ -348,7 +368,7 @@ def parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, parents=[common] if stage.config else [], help=stage.help, description=stage.help)
         for path in stage.paths:
             s.add_argument(f"--{path}", required=True, help=PATH_HELP[path],
-                           **({"nargs": "+"} if path in SEED_FOLDERS else {}))
+                           **({"nargs": "+"} if path in MANY else {}))
         for flag, kwargs in stage.options:
             s.add_argument(flag, **kwargs)
     return p

@@ -85,6 +85,49 @@ def all_variants(cfg: dict) -> list[tuple[list[str], dict]]:
     return out
 
 
+# what every member of a training group shares (one stream of batches: kvshot.train.group)
+GROUP_SHARED = ("batch_size", "max_len", "length_grouping", "train_samples")
+
+
+def training_groups(cfg: dict, names: list[str]) -> list[list[str]]:
+    """The groups of `names` that train side by side (drafters.group_training), each in the
+    order of `names` and of two or more members (a group of one is a drafter alone): true puts
+    all of `names` in one group; a list, each listed group's members among `names`."""
+    setting = (cfg.get("drafters") or {}).get("group_training") or False
+    listed = [list(names)] if setting is True else list(setting or [])
+    groups = [[n for n in names if n in g] for g in listed]
+    return [g for g in groups if len(g) > 1]
+
+
+def _group_settings(cfg: dict, name: str) -> tuple:
+    entry = next(v for _, v in all_variants(cfg) if v["name"] == name)
+    tc = {**cfg["drafters"]["train"], **(entry.get("train") or {})}
+    return tuple(int(tc.get(k) or 0) if k == "length_grouping" and int(tc.get(k) or 0) > 1 else
+                 (0 if k == "length_grouping" else tc.get(k)) for k in GROUP_SHARED)
+
+
+def check_groups(cfg: dict, fail: Callable[[list[str], str], None]) -> None:
+    """drafters.group_training: known names, each in one group, members that share a stream of batches."""
+    setting = cfg["drafters"].get("group_training")
+    if not isinstance(setting, list):
+        return
+    known, seen = {v["name"] for _, v in all_variants(cfg)}, {}
+    for i, group in enumerate(setting):
+        path = ["drafters", "group_training", str(i)]
+        for name in group:
+            if name not in known:
+                fail(path, f"no variant named {name!r} (have {sorted(known)})")
+            if name in seen:
+                fail(path, f"{name!r} is also in group {seen[name]}: a drafter trains in one group")
+            seen[name] = i
+        settings = {name: _group_settings(cfg, name) for name in group}
+        first = group[0]
+        for name in group[1:]:
+            if settings[name] != settings[first]:
+                diff = [k for k, a, b in zip(GROUP_SHARED, settings[first], settings[name]) if a != b]
+                fail(path, f"{first} and {name} differ in train.{', '.join(diff)}: a group reads one stream of batches")
+
+
 def check_consistency(cfg: dict, fail: Callable[[list[str], str], None]) -> None:
     """Call fail(path, problem) for the first impossible combination found."""
     for section in ("target", "tokenizer"):
@@ -105,6 +148,7 @@ def check_consistency(cfg: dict, fail: Callable[[list[str], str], None]) -> None
             if v.get("fc_norm") and v.get("norm_before_fc"):   # one norm per aux state, or one over them all
                 fail(path + ["fc_norm"], "excludes norm_before_fc (per-state norms vs one norm over the "
                      "concatenation, EAGLE-3.1 uses fc_norm): set one")
+        check_groups(cfg, fail)
         tc = drafters["train"]
         if drafters["ttt_steps"] + 2 > tc["max_len"]:
             fail(["drafters", "ttt_steps"], f"{drafters['ttt_steps']} steps need sequences of at least "

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from ..conftest import REPO
 from ..dag import snakemake, workdir
-from ..unit.test_envs import CPU_RULES, DEFAULT_PROFILE_KEYS, DEVICE_RULES, OPTIONAL_RULES, rule_envs
+from ..unit.test_envs import CPU_RULES, DEFAULT_PROFILE_KEYS, DEVICE_RULES, LOCAL_RULES, OPTIONAL_RULES, rule_envs
 from ..unit.test_export import SGLANG_PARAMS, sglang_destination
 from ..unit.test_reliability import _sharegpt
 
@@ -192,17 +192,20 @@ def test_rules_run_in_env_files_chosen_by_device(tmp_path):
     wd = workdir(tmp_path)
     cpu, gpu = str((REPO / "envs/cpu.yaml").resolve()), str((REPO / "envs/gpu.yaml").resolve())
     paper = rule_envs(wd, "config/paper.yaml")
-    unknown = set(paper) - DEVICE_RULES - CPU_RULES - {"all"}
+    unknown = set(paper) - DEVICE_RULES - CPU_RULES - LOCAL_RULES - {"all"}
     assert not unknown, f"rules {sorted(unknown)}: add them to DEVICE_RULES or CPU_RULES (tests/unit/test_envs.py)"
     assert (DEVICE_RULES | CPU_RULES) - OPTIONAL_RULES <= set(paper)
     assert paper.pop("all") is None
+    for name in LOCAL_RULES:   # run on the submitting host (localrules), no env
+        assert paper.pop(name) == "localrule", name
     for name, env in paper.items():
         assert env == (gpu if name in DEVICE_RULES else cpu), f"paper config: rule {name} runs in {env}"
     # the embedded default (device: auto) and a CUDA-less overlay of the paper config stay on CPU
     (wd / "cpu.yaml").write_text("device: cpu\n")
     for overlays in ((), ("config/paper.yaml", "cpu.yaml")):
         envs = rule_envs(wd, *overlays)
-        envs.pop("all")
+        for name in ("all", *LOCAL_RULES):
+            envs.pop(name)
         assert set(envs.values()) == {cpu}, (overlays, envs)
 
 

@@ -26,14 +26,16 @@ from kvshot.config import read_config
 from kvshot.train.launch import FREE_PORT_SHELL, accelerate_args, free_port, launcher_command, scaled_steps
 
 from ..conftest import REPO
-from ..unit.test_envs import CPU_RULES, DEVICE_RULES, rule_envs
 from ..dag import snakemake, workdir
+from ..unit.test_envs import CPU_RULES, DEVICE_RULES, LOCAL_RULES, rule_envs
 
 SLURM_SNAKEMAKE = [sys.executable, str(REPO / "tests/slurm_snakemake.py")]   # backoff capped: see there
 
 PROFILE = ("--profile", "profiles/slurm-test")
 PAPER_PROFILE = REPO / "profiles/slurm/config.yaml"
-TRAIN_RULES = {"train_drafter", "scaling_train", "plateau_train", "blockwise_train", "drift_train"}   # DDP: 8 GPUs
+TRAIN_RULES = {"train_drafter", "scaling_train", "plateau_train", "blockwise_train", "drift_train",   # DDP: 8 GPUs
+               "train_drafter_group", "scaling_train_group", "plateau_train_group", "blockwise_train_group",
+               "drift_train_group"}
 
 
 def cluster_up() -> bool:
@@ -75,9 +77,11 @@ def parse_dry_run(out: str) -> list[dict]:
 PAPER_TARGETS = ("all", "figures/scaling.pdf", "figures/blockwise.pdf", "results/export/eagle3",
                  "results/plateau/claims.md", "results/published/table.md", "figures/drift.pdf")
 # the rules only an option runs: data.regenerate (regenerate_data), eval.shared_target_pass (eval_stepwise_shared)
-REGENERATE_TARGETS = ("regenerate_data", "results/eval/kv-d1/stepwise.json")
-REGENERATE_OVERLAY = "data:\n  regenerate:\n    enabled: true\neval:\n  shared_target_pass: true\n"
-OPTION_RULES = {"regenerate_data", "eval_stepwise_shared"}
+# drafters.group_training off: drift_train (config/paper.yaml trains every drift variant in one group)
+REGENERATE_TARGETS = ("regenerate_data", "results/eval/kv-d1/stepwise.json", "results/drift/drafters/eagle3.1/seed0")
+REGENERATE_OVERLAY = ("data:\n  regenerate:\n    enabled: true\neval:\n  shared_target_pass: true\n"
+                      "drafters:\n  group_training: false\n")
+OPTION_RULES = {"regenerate_data", "eval_stepwise_shared", "drift_train"}
 GPU_PARTITION, CPU_PARTITION, CPUS_PER_GPU = "gpu", "cpu", 8
 
 
@@ -174,6 +178,9 @@ def assert_booked(job: dict, envs: dict[str, str | None]) -> None:
     partition and the GPU env; a CPU job no GPU, the CPU partition and the CPU env; online
     capture_features no GPU and the CPU partition, in the GPU env (offline it is a device job)."""
     rule, res = job["rule"], job["resources"]
+    if rule in LOCAL_RULES:   # hard links, a `run:` rule on the submitting host (localrules: tests/unit/test_envs.py)
+        assert job["shell"] == "None", job
+        return
     assert rule in DEVICE_RULES | CPU_RULES, f"rule {rule}: add it to DEVICE_RULES or CPU_RULES (tests/unit/test_envs.py)"
     assert "cpus_per_task" not in res, f"{rule}: cpus_per_task would override cpus_per_gpu"
     assert int(res["runtime"]) > 0 and int(res["mem_mb"]) > 0, job
@@ -212,11 +219,13 @@ def test_every_job_of_every_target_books_its_device(paper_dry_run, regenerate_dr
             assert_booked(job, paper_envs)
         booked[name] = {j["rule"] for j in jobs}
     every = set(paper_envs) - {"all"}
-    assert every == DEVICE_RULES | CPU_RULES
+    assert every == DEVICE_RULES | CPU_RULES | LOCAL_RULES
     assert booked["paper"] == every - OPTION_RULES, every - booked["paper"]
     assert OPTION_RULES <= booked["regenerate"], OPTION_RULES - booked["regenerate"]
     ddp = {j["rule"] for j in paper_dry_run[1] if launched_processes(j["shell"]) > 1}
-    assert ddp == TRAIN_RULES, ddp
+    assert ddp == TRAIN_RULES - OPTION_RULES, ddp
+    ddp = {j["rule"] for j in regenerate_dry_run[1] if launched_processes(j["shell"]) > 1}
+    assert TRAIN_RULES & OPTION_RULES <= ddp, ddp   # drift_train: with group_training off
     capture = [j for j in paper_dry_run[1] if j["rule"] == "capture_features"]
     assert len(capture) == 3 and all(map(online_capture, capture))   # config/paper.yaml: online, no GPU booked
 
@@ -226,10 +235,17 @@ def test_paper_dry_run_job_counts(paper_dry_run):
     count: dict[str, int] = {}
     for job in jobs:
         count[job["rule"]] = count.get(job["rule"], 0) + 1
-    assert (count["train_drafter"], count["scaling_train"], count["plateau_train"]) == (6, 15, 6)
-    assert (count["blockwise_train"], count["blockwise_stepwise"], count["blockwise_e2e"]) == (8, 8, 8)   # 6 block + 2 remedies
+    # drafters.group_training (config/paper.yaml): [eagle3, kv-d1, kv-d2], [hybrid, standalone], kv-d4 alone;
+    # the scaling sweep's five: the first group, kv-d4 and hybrid alone, at 3 sizes
+    assert (count["train_drafter"], count["train_drafter_group"], count["drafter_from_group"]) == (1, 2, 5)
+    assert (count["scaling_train"], count["scaling_train_group"], count["scaling_drafter_from_group"]) == (6, 3, 9)
+    assert (count["plateau_train"], count["plateau_train_group"], count["plateau_drafter_from_group"]) == (1, 2, 5)
+    # 6 block + 2 remedies: two groups of three, block-kv-d4 and block-kv-d2-refine alone
+    assert (count["blockwise_train"], count["blockwise_train_group"], count["blockwise_drafter_from_group"]) == (2, 2, 6)
+    assert (count["blockwise_stepwise"], count["blockwise_e2e"]) == (8, 8)
     assert count["export_eagle3"] == 1 and count["eval_benchmarks"] == 6
-    assert (count["drift_train"], count["drift_stepwise"], count["drift_e2e"], count["drift_report"]) == (3, 3, 3, 1)
+    assert (count["drift_train_group"], count["drift_drafter_from_group"]) == (1, 3) and "drift_train" not in count
+    assert (count["drift_stepwise"], count["drift_e2e"], count["drift_report"]) == (3, 3, 1)
     # the published heads (paper config published.heads): imported, then the same evaluation
     assert (count["import_published"], count["published_stepwise"], count["published_e2e"],
             count["published_benchmarks"], count["published_table"]) == (2, 2, 2, 2, 1)
@@ -256,7 +272,7 @@ def test_scaling_points_see_the_epochs_of_the_largest(paper_dry_run):
     batch, max_steps = cfg["drafters"]["train"]["batch_size"], cfg["drafters"]["train"]["max_steps"]
     sizes = cfg["scaling"]["train_samples"]
     steps = {}
-    for job in (j for j in jobs if j["rule"] == "scaling_train"):
+    for job in (j for j in jobs if j["rule"] in ("scaling_train", "scaling_train_group")):
         configs = [json.loads(w) for w in shlex.split(job["shell"].split(" > ")[0]) if w.startswith("{")]
         overlay = configs[-1]["drafters"]["train"]
         n = int(job["wildcards"]["n"])
@@ -286,7 +302,8 @@ def test_one_gpu_config_books_one_gpu_per_job_through_the_profile(one_gpu_dry_ru
     for job in jobs:
         assert_booked(job, envs)
     train = [j for j in jobs if j["rule"] in TRAIN_RULES]
-    assert {j["rule"] for j in train} == TRAIN_RULES
+    # config/one-gpu.yaml trains every drafter alone (no drafters.group_training: not sized at its shapes)
+    assert {j["rule"] for j in train} == {r for r in TRAIN_RULES if not r.endswith("_group")}
     for job in train:
         assert job["shell"].startswith(launcher_command(1) + " train-drafter "), job["shell"][:120]
         assert (job["resources"]["gpu"], job["resources"]["mem_mb"]) == ("1", "40000"), job["resources"]

@@ -21,11 +21,17 @@ DEVICE_RULES = {"target", "capture_features", "target_continuations", "train_dra
                 "eval_e2e", "e2e_timing", "scaling_train", "scaling_stepwise", "regenerate_data", "blockwise_train",
                 "blockwise_stepwise", "blockwise_e2e", "plateau_train", "plateau_stepwise", "plateau_e2e",
                 "plateau_e2e_timing", "published_stepwise", "published_e2e", "published_benchmarks", "eval_benchmarks", "drift_train",
-                "drift_stepwise", "drift_e2e"}
+                "drift_stepwise", "drift_e2e", "train_drafter_group", "scaling_train_group", "plateau_train_group",
+                "blockwise_train_group", "drift_train_group"}   # *_group: drafters.group_training
+# a grouped drafter's folder, hard links into its group's (drafters.group_training): a `run:` rule on the
+# submitting host (localrules), no env, no SLURM job
+LOCAL_RULES = {"drafter_from_group", "scaling_drafter_from_group", "plateau_drafter_from_group",
+               "blockwise_drafter_from_group", "drift_drafter_from_group"}
 OPTIONAL_RULES = {"regenerate_data", "export_eagle3", "eval_stepwise_shared", "blockwise_train", "blockwise_stepwise", "blockwise_e2e",
                   "blockwise_report", "plateau_train", "plateau_stepwise", "plateau_e2e", "plateau_e2e_timing",
                   "plateau_report", "import_published", "published_stepwise", "published_e2e",
-                  "published_benchmarks", "published_table", "drift_train", "drift_stepwise", "drift_e2e", "drift_report"}   # not behind `all`: asked for by config or by target
+                  "published_benchmarks", "published_table", "drift_train", "drift_stepwise", "drift_e2e", "drift_report",
+                  "plateau_train_group", "blockwise_train_group", "drift_train_group"}   # not behind `all`: asked for by config or by target
 CPU_RULES = {"prepare_data", "train_tokenizer", "report", "scaling_report", "export_eagle3", "blockwise_report",
              "plateau_report", "import_published", "published_table", "drift_report"}
 
@@ -38,8 +44,8 @@ with SnakemakeApi(OutputSettings()) as api:
     wf = api.workflow(resource_settings=ResourceSettings(),
                       config_settings=ConfigSettings(configfiles=[Path(a) for a in sys.argv[1:]]),
                       snakefile=Path("Snakefile"), workdir=Path.cwd())._workflow
-    envs = {r.name: r.conda_env and str((Path(r.snakefile).parent / r.conda_env).resolve())
-            for r in wf.rules}
+    envs = {r.name: "localrule" if r.name in wf._localrules else
+            r.conda_env and str((Path(r.snakefile).parent / r.conda_env).resolve()) for r in wf.rules}
 print("RULE_ENVS " + json.dumps(envs))
 """
 

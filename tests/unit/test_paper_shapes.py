@@ -217,3 +217,37 @@ def test_eval_e2e_chain_fits(paper, name):
 def test_target_rules_fit(paper):
     for row in paper.target_rows(4):
         fits(row)
+
+
+# ---------------------------------------------------------------- drafters side by side
+
+def _paper_groups():
+    from kvshot.paper_shapes.group_shapes import config_groups
+
+    return config_groups(read_config([str(REPO / "config/config.yaml"), str(REPO / "config/paper.yaml")]))
+
+
+@pytest.mark.parametrize("names", _paper_groups(), ids="+".join)
+def test_every_training_group_of_the_paper_config_fits(paper, names):
+    """drafters.group_training: each group's step (one target forward, every member's step,
+    every member resident) fits the GPU the profile books, as one drafter's must."""
+    from kvshot.paper_shapes.group_shapes import group_train_row
+
+    fits(group_train_row(paper, names))
+
+
+def test_a_group_step_costs_its_members_less_the_shared_target_forwards(paper):
+    """The first core group's TFLOP per step: its members' steps alone less one online target
+    forward (measured: the rank's batch through the target) for every member after the first."""
+    from kvshot.capture.features import open_features
+    from kvshot.paper_shapes.group_shapes import group_train_row
+
+    names = _paper_groups()[0]
+    alone = sum(group_train_row(paper, [n]).tflop for n in names)   # a group of one: train_drafter's step
+    src, rows = open_features(paper.folder, paper.rt, model=paper.target), []
+    with paper._measure(rows, "target forward", "batch", "step", 1):
+        src.batch([0])   # every captured layer: the most a group reads
+    forward = rows[0].tflop
+    assert 2 * 8.19e9 * 2048 / 1e12 * 0.9 < forward < 2 * 8.19e9 * 2048 / 1e12
+    grouped = group_train_row(paper, names).tflop
+    assert grouped == pytest.approx(alone - (len(names) - 1) * forward, rel=1e-3), (grouped, alone, forward)

@@ -8,6 +8,7 @@
 BLOCK_VARIANTS = [v["name"] for v in (config.get("blockwise") or {}).get("variants", [])]
 REMEDIES = [v["name"] for v in (config.get("blockwise") or {}).get("remedies") or []]   # gate remedies (hybrids)
 BLOCK_NAMES = "|".join(BLOCK_VARIANTS + REMEDIES) or "(?!)"   # none: the rules match nothing
+BLOCK_GROUPS = TrainGroups(BLOCK_VARIANTS + REMEDIES)   # drafters.group_training among them
 CHAIN_VARIANTS = [v["name"] for v in config["drafters"]["variants"] if v["paradigm"] == "kv"]
 HYBRIDS = [v["name"] for v in config["drafters"]["variants"] if v["paradigm"] == "hybrid"] if REMEDIES else []
 OTHERS = [v["name"] for v in config["drafters"]["variants"] if v["name"] not in CHAIN_VARIANTS + HYBRIDS]   # redrawn beside them
@@ -17,7 +18,7 @@ use rule train_drafter as blockwise_train with:
     output:
         directory("results/blockwise/drafters/{variant}/seed{seed}"),
     wildcard_constraints:
-        variant=BLOCK_NAMES,
+        variant=BLOCK_GROUPS.alone_pattern(),
         seed=r"\d+",
     params:
         cfg=variant_params("drafters"),
@@ -28,6 +29,40 @@ use rule train_drafter as blockwise_train with:
         log_path("blockwise_train", "_{variant}_seed{seed}"),
     benchmark:
         bench_path("blockwise_train", "_{variant}_seed{seed}")
+
+
+# drafters.group_training: blockwise's groups side by side (train.smk's train_drafter_group)
+use rule train_drafter_group as blockwise_train_group with:
+    output:
+        directory("results/blockwise/drafters/.groups/{group}/seed{seed}"),
+    wildcard_constraints:
+        group=BLOCK_GROUPS.group_pattern(),
+        seed=r"\d+",
+    params:
+        cfg=group_params("drafters"),
+        overlay="",
+        launcher=train_launcher(),
+        rank_threads=train_rank_threads(),
+        variants=group_variants,
+        checkpoints="results/blockwise/drafters",
+    log:
+        log_path("blockwise_train_group", "_{group}_seed{seed}"),
+    benchmark:
+        bench_path("blockwise_train_group", "_{group}_seed{seed}")
+
+
+localrules:
+    blockwise_drafter_from_group,
+
+
+use rule drafter_from_group as blockwise_drafter_from_group with:
+    input:
+        BLOCK_GROUPS.folder("results/blockwise/drafters"),
+    output:
+        directory("results/blockwise/drafters/{variant}/seed{seed}"),
+    wildcard_constraints:
+        variant=BLOCK_GROUPS.grouped_pattern(),
+        seed=r"\d+",
 
 
 use rule eval_stepwise as blockwise_stepwise with:

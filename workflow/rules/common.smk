@@ -65,10 +65,67 @@ def variant_params(*sections):
     def params(wildcards):
         cfg = stage_config(config, *sections)
         own = [v for _, v in all_variants(config) if v["name"] == wildcards.variant]
-        cfg["drafters"] = {**cfg["drafters"], "variants": own}
+        # group_training changes no drafter (kvshot.train.group): toggling it retrains nothing
+        cfg["drafters"] = {k: x for k, x in cfg["drafters"].items() if k != "group_training"} | {"variants": own}
         return json.dumps(cfg, sort_keys=True)
 
     return params
+
+
+class TrainGroups:
+    """drafters.group_training for one set of variants (kvshot.checks.training_groups): the groups
+    that train side by side (a train_drafter_group job each, under <root>/.groups/<group>/seed<N>,
+    members joined by '+'), and the variants that train alone (train_drafter)."""
+
+    def __init__(self, names, among=None):
+        """among: group only these of names (the scaling sweep's variants); the rest train alone."""
+        from kvshot.checks import training_groups
+
+        self.groups = training_groups(config, [v for v in names if among is None or v in among])
+        self.of = {v: "+".join(g) for g in self.groups for v in g}
+        self.alone = [v for v in names if v not in self.of]
+
+    def alone_pattern(self):
+        return "|".join(re.escape(v) for v in self.alone) or NO_MATCH
+
+    def grouped_pattern(self):
+        return "|".join(re.escape(v) for v in self.of) or NO_MATCH
+
+    def group_pattern(self):
+        return "|".join(re.escape("+".join(g)) for g in self.groups) or NO_MATCH
+
+    def folder(self, root):
+        """The input function of a grouped variant's drafter: its group's job folder under root."""
+
+        def folder(wildcards):
+            return f"{root.format(**wildcards)}/.groups/{self.of[wildcards.variant]}/seed{wildcards.seed}"
+
+        return folder
+
+
+def group_params(*sections):
+    """variant_params for a group job: drafters.variants holds its members' entries."""
+
+    def params(wildcards):
+        members = wildcards.group.split("+")
+        cfg = stage_config(config, *sections)
+        own = [v for _, v in all_variants(config) if v["name"] in members]
+        cfg["drafters"] = {k: x for k, x in cfg["drafters"].items() if k != "group_training"} | {"variants": own}
+        return json.dumps(cfg, sort_keys=True)
+
+    return params
+
+
+def group_variants(wildcards):
+    return " ".join(wildcards.group.split("+"))
+
+
+def link_drafter(group_folder, variant, out):
+    """A grouped drafter's folder at its usual path: hard links to the group job's files (no
+    second copy on disk; a copy where the filesystem has no hard links)."""
+    from kvshot.core.io import link_tree
+
+    link_tree(Path(group_folder) / variant, out)
 
 
 def split_jsonl(wildcards):
@@ -148,6 +205,13 @@ def train_threads():
     return config["drafters"]["train"]["num_processes"] * train_rank_threads()
 
 
+def job_variants(wildcards):
+    """The drafters.variants entries a training job trains: its variant, or its group's members."""
+    group = getattr(wildcards, "group", None)
+    names = group.split("+") if group else [wildcards.variant]
+    return [v for v in config["drafters"]["variants"] if v["name"] in names]
+
+
 def scaling_overlay(wildcards):
     """The data-scaling sweep's change, as `--config` words: train on the first N captured
     samples, for the steps that give every N the epochs the largest N gets at
@@ -156,10 +220,10 @@ def scaling_overlay(wildcards):
 
     from kvshot.train.launch import scaled_steps
 
-    own = next(v for v in config["drafters"]["variants"] if v["name"] == wildcards.variant)
-    if "max_steps" in own.get("train", {}):
-        raise WorkflowError(f"config: drafters.variants.{wildcards.variant}.train.max_steps: the scaling sweep "
-                            "scales drafters.train.max_steps; a variant's own max_steps would escape it")
+    for own in job_variants(wildcards):
+        if "max_steps" in own.get("train", {}):
+            raise WorkflowError(f"config: drafters.variants.{own['name']}.train.max_steps: the scaling sweep "
+                                "scales drafters.train.max_steps; a variant's own max_steps would escape it")
     n = int(wildcards.n)
     steps = scaled_steps(config["drafters"]["train"]["max_steps"], n, max(config["scaling"]["train_samples"]))
     overlay = {"drafters": {"train": {"train_samples": n, "max_steps": steps}}}
@@ -174,11 +238,11 @@ def plateau_overlay(wildcards):
     plateau = config.get("plateau") or {}
     if not plateau:
         raise WorkflowError("config: plateau: missing (max_steps, eval_every, rule): the plateau target needs it")
-    own = next(v for v in config["drafters"]["variants"] if v["name"] == wildcards.variant)
-    for key in ("max_steps", "eval_every", "plateau"):
-        if key in own.get("train", {}):
-            raise WorkflowError(f"config: drafters.variants.{wildcards.variant}.train.{key}: the plateau target sets "
-                                f"drafters.train.{key}; a variant's own would escape it")
+    for own in job_variants(wildcards):
+        for key in ("max_steps", "eval_every", "plateau"):
+            if key in own.get("train", {}):
+                raise WorkflowError(f"config: drafters.variants.{own['name']}.train.{key}: the plateau target sets "
+                                    f"drafters.train.{key}; a variant's own would escape it")
     train = {"max_steps": plateau["max_steps"], "eval_every": plateau["eval_every"], "plateau": plateau["rule"]}
     return f" --config {shlex.quote(json.dumps({'drafters': {'train': train}}, sort_keys=True))}"
 

@@ -7,6 +7,7 @@
 
 DRIFT_VARIANTS = [v["name"] for v in (config.get("drift") or {}).get("variants") or []]
 DRIFT_NAMES = "|".join(re.escape(n) for n in DRIFT_VARIANTS) or "(?!)"   # none: the rules match nothing
+DRIFT_GROUPS = TrainGroups(DRIFT_VARIANTS)   # drafters.group_training among them
 DRIFT_COMPARE = list((config.get("drift") or {}).get("compare") or [])
 DRIFT_BLOCKS = list((config.get("drift") or {}).get("blocks") or [])
 
@@ -15,7 +16,7 @@ use rule train_drafter as drift_train with:
     output:
         directory("results/drift/drafters/{variant}/seed{seed}"),
     wildcard_constraints:
-        variant=DRIFT_NAMES,
+        variant=DRIFT_GROUPS.alone_pattern(),
         seed=r"\d+",
     params:
         cfg=variant_params("drafters"),
@@ -26,6 +27,40 @@ use rule train_drafter as drift_train with:
         log_path("drift_train", "_{variant}_seed{seed}"),
     benchmark:
         bench_path("drift_train", "_{variant}_seed{seed}")
+
+
+# drafters.group_training: drift's groups side by side (train.smk's train_drafter_group)
+use rule train_drafter_group as drift_train_group with:
+    output:
+        directory("results/drift/drafters/.groups/{group}/seed{seed}"),
+    wildcard_constraints:
+        group=DRIFT_GROUPS.group_pattern(),
+        seed=r"\d+",
+    params:
+        cfg=group_params("drafters"),
+        overlay="",
+        launcher=train_launcher(),
+        rank_threads=train_rank_threads(),
+        variants=group_variants,
+        checkpoints="results/drift/drafters",
+    log:
+        log_path("drift_train_group", "_{group}_seed{seed}"),
+    benchmark:
+        bench_path("drift_train_group", "_{group}_seed{seed}")
+
+
+localrules:
+    drift_drafter_from_group,
+
+
+use rule drafter_from_group as drift_drafter_from_group with:
+    input:
+        DRIFT_GROUPS.folder("results/drift/drafters"),
+    output:
+        directory("results/drift/drafters/{variant}/seed{seed}"),
+    wildcard_constraints:
+        variant=DRIFT_GROUPS.grouped_pattern(),
+        seed=r"\d+",
 
 
 use rule eval_stepwise as drift_stepwise with:

@@ -12,7 +12,7 @@ use rule train_drafter as plateau_train with:
     output:
         directory("results/plateau/drafters/{variant}/seed{seed}"),
     wildcard_constraints:
-        variant="|".join(VARIANTS),
+        variant=CORE_GROUPS.alone_pattern(),
         seed=r"\d+",
     params:
         cfg=variant_params("drafters"),
@@ -23,6 +23,40 @@ use rule train_drafter as plateau_train with:
         log_path("plateau_train", "_{variant}_seed{seed}"),
     benchmark:
         bench_path("plateau_train", "_{variant}_seed{seed}")
+
+
+# drafters.group_training: plateau's groups side by side (train.smk's train_drafter_group)
+use rule train_drafter_group as plateau_train_group with:
+    output:
+        directory("results/plateau/drafters/.groups/{group}/seed{seed}"),
+    wildcard_constraints:
+        group=CORE_GROUPS.group_pattern(),
+        seed=r"\d+",
+    params:
+        cfg=group_params("drafters"),
+        overlay=plateau_overlay,
+        launcher=train_launcher(),
+        rank_threads=train_rank_threads(),
+        variants=group_variants,
+        checkpoints="results/plateau/drafters",
+    log:
+        log_path("plateau_train_group", "_{group}_seed{seed}"),
+    benchmark:
+        bench_path("plateau_train_group", "_{group}_seed{seed}")
+
+
+localrules:
+    plateau_drafter_from_group,
+
+
+use rule drafter_from_group as plateau_drafter_from_group with:
+    input:
+        CORE_GROUPS.folder("results/plateau/drafters"),
+    output:
+        directory("results/plateau/drafters/{variant}/seed{seed}"),
+    wildcard_constraints:
+        variant=CORE_GROUPS.grouped_pattern(),
+        seed=r"\d+",
 
 
 use rule eval_stepwise as plateau_stepwise with:

@@ -6,12 +6,15 @@
 # max_steps scaled by N / max(N) so that every N sees the same number of epochs as the largest
 # N does at drafters.train.max_steps (paper: 15k, 30k, 60k steps for 70k, 140k, 280k; 1.71
 # epochs each at a global batch of 8).
+SCALING_GROUPS = TrainGroups(VARIANTS, among=config["scaling"]["variants"])   # drafters.group_training in the sweep
+
+
 use rule train_drafter as scaling_train with:
     output:
         directory("results/scaling/n{n}/drafters/{variant}/seed{seed}"),
     wildcard_constraints:
         n=r"\d+",
-        variant="|".join(VARIANTS),
+        variant=SCALING_GROUPS.alone_pattern(),
         seed=r"\d+",
     params:
         cfg=variant_params("drafters"),
@@ -22,6 +25,42 @@ use rule train_drafter as scaling_train with:
         log_path("scaling_train", "_n{n}_{variant}_seed{seed}"),
     benchmark:
         bench_path("scaling_train", "_n{n}_{variant}_seed{seed}")
+
+
+# drafters.group_training: scaling's groups side by side (train.smk's train_drafter_group)
+use rule train_drafter_group as scaling_train_group with:
+    output:
+        directory("results/scaling/n{n}/drafters/.groups/{group}/seed{seed}"),
+    wildcard_constraints:
+        n=r"\d+",
+        group=SCALING_GROUPS.group_pattern(),
+        seed=r"\d+",
+    params:
+        cfg=group_params("drafters"),
+        overlay=scaling_overlay,
+        launcher=train_launcher(),
+        rank_threads=train_rank_threads(),
+        variants=group_variants,
+        checkpoints=lambda w: f"results/scaling/n{w.n}/drafters",
+    log:
+        log_path("scaling_train_group", "_n{n}_{group}_seed{seed}"),
+    benchmark:
+        bench_path("scaling_train_group", "_n{n}_{group}_seed{seed}")
+
+
+localrules:
+    scaling_drafter_from_group,
+
+
+use rule drafter_from_group as scaling_drafter_from_group with:
+    input:
+        SCALING_GROUPS.folder("results/scaling/n{n}/drafters"),
+    output:
+        directory("results/scaling/n{n}/drafters/{variant}/seed{seed}"),
+    wildcard_constraints:
+        n=r"\d+",
+        variant=SCALING_GROUPS.grouped_pattern(),
+        seed=r"\d+",
 
 
 # Evaluation: eval_stepwise on the sweep's drafters (scaling.seeds; default the first of

@@ -25,6 +25,25 @@ def _finite(obj):
     return obj
 
 
+def link_tree(src: str | Path, dst: str | Path) -> None:
+    """`dst` becomes a tree of hard links to src's files (a copy where the filesystem has none),
+    atomically (`atomic_dir`)."""
+    src = Path(src)
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src}: no such folder")
+    with atomic_dir(dst) as tmp:
+        for f in sorted(src.rglob("*")):
+            to = tmp / f.relative_to(src)
+            if f.is_dir():
+                to.mkdir(parents=True, exist_ok=True)
+                continue
+            to.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(f, to)
+            except OSError:
+                shutil.copy2(f, to)
+
+
 def remove_leftovers(path: str | Path) -> list[Path]:
     """Scratch files and folders a killed writer of `path` left beside it (`.{name}.*.tmp`).
     One job writes one output, so any found when that job starts again are dead."""

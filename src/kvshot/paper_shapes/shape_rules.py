@@ -95,9 +95,9 @@ def gpu_limit_gb(gpu_gb: float = GPU_GB) -> float:
 
 def ddp_buckets_alias_grads() -> bool:
     """Whether the trainer's DDP wrap sets `gradient_as_bucket_view=True` (read from
-    `train.setup`'s source: the meter cannot run DDP). Then DDP's buckets are the gradients,
+    `train.loop.setup_member`'s source: the meter cannot run DDP). Then DDP's buckets are the gradients,
     resident all step; otherwise each bucket is one more copy of them."""
-    return "gradient_as_bucket_view=True" in inspect.getsource(train_module.setup)
+    return "gradient_as_bucket_view=True" in inspect.getsource(train_module.setup_member)
 
 
 def config_arch(cfg: dict) -> dict:
@@ -255,17 +255,36 @@ class PaperShapes:
         copy otherwise. Nothing of the previous step is live when a step starts (the trainer
         drops it)."""
         rows: list[Row] = []
+        tc = self.cfg["drafters"]["train"]
+        m = self.member(name)
+        src = open_features(self.folder, self.rt, model=self.target)
+        src.read_only(m.model.cfg.kv_layers, m.model.reads_aux_hidden)
+        head_w = self.target.lm_head.weight.detach()
+        with self._measure(rows, "train_drafter", name, "step", 1):
+            batch = src.batch(list(range(tc["batch_size"] // self.world)))   # the online target forward
+            self.member_step(m, batch, head_w)   # the batch still live: a logging step without probe batches keeps it
+            del batch
+        kv = bool(m.model.kv_attentions())
+        share = tc["batch_size"] // self.world   # one rank's share of a global evaluation batch (DDP: `evaluate`)
+        with self._measure(rows, "train_drafter evaluate", name, "sequence", share):
+            evaluate(m.model, src, head_w, m.steps, share, 1, self.target if kv else None, self.rt.dtype)
+        del m
+        return rows
+
+    def member(self, name: str, embed_from=None) -> SimpleNamespace:
+        """A drafter as the trainer holds it between steps (built under the meter): the model,
+        AdamW with its state (from the second step on: a steady step), DDP's buckets.
+        embed_from: a drafter whose frozen embedding it shares, as a group's members do
+        (`train.loop.setup_member`)."""
         tc, dcfg = self.cfg["drafters"]["train"], self.cfg["drafters"]
-        per_rank = tc["batch_size"] // self.world
         ddp = self.world > 1
         with self.meter:
             v, model = self.drafter(name)
+            if embed_from is not None:
+                model.embed_tokens.weight = embed_from.embed_tokens.weight
             model.train()
             steps, decay = objective(model, dcfg, v)
-            src = open_features(self.folder, self.rt, model=self.target)
-            src.read_only(model.cfg.kv_layers, model.reads_aux_hidden)
             params = [p for p in model.parameters() if p.requires_grad]
-            groups = param_groups(model)
             opt = torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"], betas=(0.9, 0.95),
                                     foreach=True)   # CUDA's default: foreach
             for p in params:   # AdamW's state exists from the second step on: measure a steady step
@@ -274,30 +293,25 @@ class PaperShapes:
             # DDP: the buckets stay allocated from step to step (zero_grad only drops the views)
             opt.zero_grad(set_to_none=not ddp)
             buckets = [torch.zeros_like(p) for p in params] if ddp and not ddp_buckets_alias_grads() else []
-            fwd = training_forward(model)
-        head_w = self.target.lm_head.weight.detach()
-        with self._measure(rows, "train_drafter", name, "step", 1):
-            batch = src.batch(list(range(per_rank)))   # the online target forward
-            labels = target_labels(batch["last_hidden"], head_w, model.d2t, positions=label_positions(batch))
-            local = [float(scored_tokens(batch, labels, model.t2d, k)[1].sum()) for k in range(steps)]
-            denominators = [max(x, 1.0) for x in local]
-            with self.rt.autocast():
-                un = fwd(batch, steps)
-                losses, _, _, _ = step_losses(model, un, batch, labels, denominators)
-                loss = weighted_loss(losses, decay)
-            loss.backward()
-            del un, losses, loss, labels   # the trainer drops the logits, labels and graph here
-            grad_norms(groups)   # a logging step: the trainer's own function
-            torch.nn.utils.clip_grad_norm_(params, tc["grad_clip"])
-            opt.step()   # the batch still live: a logging step without probe batches keeps it
-            opt.zero_grad(set_to_none=not ddp)
-            del batch
-        kv = bool(model.kv_attentions())
-        share = tc["batch_size"] // self.world   # one rank's share of a global evaluation batch (DDP: `evaluate`)
-        with self._measure(rows, "train_drafter evaluate", name, "sequence", share):
-            evaluate(model, src, head_w, steps, share, 1, self.target if kv else None, self.rt.dtype)
-        del opt, fwd, params, groups, model, buckets
-        return rows
+        return SimpleNamespace(name=name, model=model, steps=steps, decay=decay, params=params,
+                               groups=param_groups(model), opt=opt, buckets=buckets, fwd=training_forward(model))
+
+    def member_step(self, m: SimpleNamespace, batch: dict, head_w: torch.Tensor) -> None:
+        """One drafter's logging step on a batch in hand, as `train.train_step` runs it."""
+        tc = self.cfg["drafters"]["train"]
+        labels = target_labels(batch["last_hidden"], head_w, m.model.d2t, positions=label_positions(batch))
+        local = [float(scored_tokens(batch, labels, m.model.t2d, k)[1].sum()) for k in range(m.steps)]
+        denominators = [max(x, 1.0) for x in local]
+        with self.rt.autocast():
+            un = m.fwd(batch, m.steps)
+            losses, _, _, _ = step_losses(m.model, un, batch, labels, denominators)
+            loss = weighted_loss(losses, m.decay)
+        loss.backward()
+        del un, losses, loss, labels   # the trainer drops the logits, labels and graph here
+        grad_norms(m.groups)   # a logging step: the trainer's own function
+        torch.nn.utils.clip_grad_norm_(m.params, tc["grad_clip"])
+        m.opt.step()
+        m.opt.zero_grad(set_to_none=self.world == 1)
 
     # ------------------------------------------------------------ evaluation
     def stepwise_row(self, name: str) -> Row:

@@ -120,6 +120,7 @@ class Run:
     tokens: torch.Tensor | int = 0   # tokens this process trained on since it started (a device tensor)
     steps_here: int = 0              # steps this process trained
     bar: Progress | None = None
+    group: list[str] | None = None   # the drafters trained side by side with this one (`train.group`)
 
     @property
     def tc(self) -> dict:
@@ -150,17 +151,28 @@ class Step:
     totals: list[float]   # summed over processes: the objective, ce_sum_k, correct_k, acc_n_k, scored_k
 
 
-def setup(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, target_dir: str, out_dir: str,
-          runtime_minutes: float | None, val_dir: str | None) -> Run:
-    """Build the drafter, open the features, make the optimizer, and resume a checkpoint."""
+@dataclass
+class Shared:
+    """What every drafter of a job reads alike: the accelerator, the target, the feature sources,
+    and the RNG state a drafter is initialised from (the state after loading them, as alone)."""
+    accel: object
+    target: object
+    train_src: FeatureSource
+    eval_src: FeatureSource
+    val_src: FeatureSource
+    heldout_split: str
+    val_dir: str
+    rng: tuple                  # (torch, python) RNG states right before a drafter is built
+    d2t: dict = field(default_factory=dict)   # the draft vocabulary, by (size, samples)
+
+
+def open_shared(cfg: dict, rt: Runtime, train_dir: str, eval_dir: str, target_dir: str,
+                val_dir: str | None) -> Shared:
+    """Seed, the accelerator, the target and the feature sources: once per job."""
     from accelerate import Accelerator
 
-    v = variant_config(cfg, name)
-    tc, dcfg = v["train"], cfg["drafters"]
-    use_attention(dcfg["attention"])
-    deadline = stop_deadline(runtime_minutes, tc["stop_margin_minutes"])
+    use_attention(cfg["drafters"]["attention"])
     accel = Accelerator(cpu=rt.device == "cpu")
-    world, rank = accel.num_processes, accel.process_index
     torch.manual_seed(rt.seed)
     random.seed(rt.seed)
     if rt.device == "cuda":   # what stays fp32 under autocast (the fp32 parameters' own products) may use TF32
@@ -172,27 +184,52 @@ def setup(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, targ
     heldout_split = "eval" if val_dir is None else "val"
     val_dir = eval_dir if val_dir is None else val_dir
     val_src = eval_src if val_dir == eval_dir else open_features(val_dir, rt, model=target)
+    return Shared(accel=accel, target=target, train_src=train_src, eval_src=eval_src, val_src=val_src,
+                  heldout_split=heldout_split, val_dir=val_dir, rng=(torch.get_rng_state(), random.getstate()))
+
+
+def setup_member(cfg: dict, rt: Runtime, shared: Shared, name: str, train_dir: str, eval_dir: str, target_dir: str,
+                 out_dir: str, runtime_minutes: float | None, ckpt_dir: str | None = None,
+                 group: list[str] | None = None, embed_from: Drafter | None = None) -> Run:
+    """Build one drafter on the shared target and features, make its optimizer, and resume its
+    checkpoint (`<out_dir>.ckpt`, or ckpt_dir). group: the job trains several drafters side by
+    side (`train.group`): the caller then sets what the batches carry and the probe batches for
+    all of them. embed_from: a drafter whose frozen copy of the target's embedding this one shares."""
+    v = variant_config(cfg, name)
+    tc, dcfg = v["train"], cfg["drafters"]
+    deadline = stop_deadline(runtime_minutes, tc["stop_margin_minutes"])
+    accel, target, train_src, eval_src, val_src = (shared.accel, shared.target, shared.train_src, shared.eval_src,
+                                                   shared.val_src)
+    world, rank = accel.num_processes, accel.process_index
     n = min(len(train_src), tc.get("train_samples") or len(train_src))   # the data-scaling knob
     if tc["batch_size"] % world:
         raise ConfigError(f"config: drafters.train.batch_size: {tc['batch_size']} is not divisible by {world} processes")
     if n < tc["batch_size"]:
         raise ConfigError(f"config: drafters.train.batch_size: {tc['batch_size']} is more than the {n} train samples")
-    d2t = draft_vocab(train_src, dcfg["draft_vocab_size"], target.config.vocab_size, n)
-    model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), d2t, target).to(rt.device)
+    key = (dcfg["draft_vocab_size"], n)
+    if key not in shared.d2t:
+        shared.d2t[key] = draft_vocab(train_src, dcfg["draft_vocab_size"], target.config.vocab_size, n)
+    torch.set_rng_state(shared.rng[0])   # every drafter starts from the RNG state it would see alone
+    random.setstate(shared.rng[1])
+    model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), shared.d2t[key],
+                          target).to(rt.device)
+    if embed_from is not None and _same_frozen(embed_from.embed_tokens.weight, model.embed_tokens.weight):
+        model.embed_tokens.weight = embed_from.embed_tokens.weight   # one copy for the group (frozen)
     steps_k, decay = objective(model, dcfg, v)   # TTT: K steps, step_decay; a block: its positions, block_position_decay
     missing = sorted(set(model.cfg.kv_layers) - set(train_src.spec.kv_layers))
     if missing:
         raise ConfigError(f"config: features.kv_layers: variant {name} reads target layers {missing}, "
                           f"which the features do not hold ({list(train_src.spec.kv_layers)})")
-    for src in (train_src, eval_src, val_src):   # batches carry (and online: compute) only what this variant reads
-        src.read_only(model.cfg.kv_layers, model.reads_aux_hidden)
+    if group is None:
+        for src in (train_src, eval_src, val_src):   # batches carry (and online: compute) only what this variant reads
+            src.read_only(model.cfg.kv_layers, model.reads_aux_hidden)
     params = [p for p in model.parameters() if p.requires_grad]   # fp32: so is the optimizer state
     opt = torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"], betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_at(s, tc["max_steps"], tc["warmup_steps"], tc["min_lr_ratio"]))
 
-    ckpt = Path(f"{out_dir}.ckpt") / "checkpoint.pt"
-    fp = fingerprint(v, cfg, rt, train_dir, eval_dir, target_dir, val_dir)
+    ckpt = Path(ckpt_dir or f"{out_dir}.ckpt") / "checkpoint.pt"
+    fp = fingerprint(v, cfg, rt, train_dir, eval_dir, target_dir, shared.val_dir)
     progress = {"step": 0, "epoch": 0, "cursor": 0, "log": [], "heldout": [], "fingerprint": fp,
                 "resumed_from": None, "world_size": world}
     saved_step = None
@@ -204,7 +241,8 @@ def setup(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, targ
     if saved is not None:   # the model was built with the target's frozen tensors: the checkpoint holds the rest
         progress = restore_checkpoint(saved, model, opt, sched)
         progress["resumed_from"] = saved_step = progress["step"]
-        progress.pop("stopped_by", None)
+        if not progress.get("finished"):   # a group member that had finished keeps why it stopped
+            progress.pop("stopped_by", None)
         print(f"resuming {name} from step {progress['step']} ({ckpt})", flush=True)
     progress.setdefault("heldout", [])
     # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second fp32 copy
@@ -212,21 +250,33 @@ def setup(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, targ
         torch.nn.parallel.DistributedDataParallel(training_forward(model), gradient_as_bucket_view=True)
     live = JsonLines(ckpt.parent / "train_log.jsonl",
                      sorted(progress["log"] + progress["heldout"], key=lambda r: r["step"]), enabled=rank == 0)
-    group = int(tc.get("length_grouping") or 0)
+    grouping = int(tc.get("length_grouping") or 0)
     lengths = sample_lengths(train_src, n, tc["max_len"])
     index = train_src.index
     share = index["assistant_tokens"] / index["tokens"] if index.get("assistant_tokens") and index.get("tokens") else 1.0
     budget = token_budget(lengths, tc["batch_size"], steps_k, share)
     return Run(
         name=name, v=v, rt=rt, accel=accel, target=target, train_src=train_src, eval_src=eval_src, val_src=val_src,
-        heldout_split=heldout_split, n=n, model=model, head_w=target.lm_head.weight.detach(),
+        heldout_split=shared.heldout_split, n=n, model=model, head_w=target.lm_head.weight.detach(),
         groups=param_groups(model), waiting=held_back(model, v), ddp=ddp, steps_k=steps_k, decay=decay, params=params,
         opt=opt, sched=sched, ckpt=ckpt, progress=progress, saved_step=saved_step, live=live,
         # the validation split: held out like eval, and what training-time measurements read (not the eval anchors)
-        probe_batches=diagnostic_batches(val_src, tc["diagnostic_sequences"], tc["max_len"], rt.device),
+        probe_batches=[] if group else diagnostic_batches(val_src, tc["diagnostic_sequences"], tc["max_len"], rt.device),
         deadline=deadline, runtime_minutes=runtime_minutes,
-        lengths=lengths if group > 1 else None, budget=budget,
-        denominators=loss_denominators(budget, world, rt.device))
+        lengths=lengths if grouping > 1 else None, budget=budget,
+        denominators=loss_denominators(budget, world, rt.device), group=group)
+
+
+def _same_frozen(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (not a.requires_grad and not b.requires_grad and a.shape == b.shape and a.dtype == b.dtype
+            and a.device == b.device and torch.equal(a, b))
+
+
+def setup(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, target_dir: str, out_dir: str,
+          runtime_minutes: float | None, val_dir: str | None) -> Run:
+    """Build the drafter, open the features, make the optimizer, and resume a checkpoint."""
+    shared = open_shared(cfg, rt, train_dir, eval_dir, target_dir, val_dir)
+    return setup_member(cfg, rt, shared, name, train_dir, eval_dir, target_dir, out_dir, runtime_minutes)
 
 
 def step_ids(run: Run) -> list[int]:
@@ -240,16 +290,22 @@ def step_ids(run: Run) -> list[int]:
     return run.order[1][p["cursor"]: p["cursor"] + bs][run.rank::run.world]
 
 
-def train_step(run: Run, logging: bool) -> Step:
+def fetch_batch(run: Run, ids: list[int]) -> dict[str, torch.Tensor]:
+    """This process's samples `ids`, cut to max_len, on the device (online: the target's forward)."""
+    return {k: t.to(run.rt.device) for k, t in _truncate(run.train_src.batch(ids), run.tc["max_len"]).items()}
+
+
+def train_step(run: Run, logging: bool, batch: dict[str, torch.Tensor] | None = None) -> Step:
     """One optimization step. The host waits on the device once (the NaN guards, with what
     the log reads), and the processes exchange one small tensor (and DDP its gradients).
     Step k's summed per-token loss is divided by the run's fixed B_k / world (`loss_denominators`),
     not by the step's own token count: every token weighs the same (docs/training.md).
     Memory: the logits, the soft labels and the autograd graph are dropped right after the
     backward, the batch too unless the log reads it, so the optimizer step holds none of them;
-    the returned Step holds no logits, and the caller drops it before the next step."""
+    the returned Step holds no logits, and the caller drops it before the next step. batch: the
+    step's samples already read (`fetch_batch`; a group's members share it), else read here."""
     tc, model, world, step, k_steps = run.tc, run.model, run.world, run.progress["step"], run.steps_k
-    batch = {k: t.to(run.rt.device) for k, t in _truncate(run.train_src.batch(step_ids(run)), tc["max_len"]).items()}
+    batch = fetch_batch(run, step_ids(run)) if batch is None else batch
     labels = target_labels(batch["last_hidden"], run.head_w, model.d2t, positions=label_positions(batch))
     # on a logging step: which positions the real backward sends gradient from (`diagnostics`), each
     # process sampling its share of the rows one process would
@@ -406,9 +462,9 @@ def stop_for_runtime(run: Run) -> None:
     raise StoppedForRuntime(msg)
 
 
-def finish(run: Run, out_dir: str) -> dict:
+def finish(run: Run, out_dir: str, remove_checkpoint: bool = True) -> dict:
     """The final teacher-forced evaluation (every process its share), metrics.json and the
-    saved drafter; the checkpoint goes."""
+    saved drafter; the checkpoint goes (a group removes its members' once all are saved)."""
     seconds, p, tc, model = time.time() - run.start, run.progress, run.tc, run.model
     plateau = tc.get("plateau") or {}
     metrics = {"variant": run.name, "paradigm": run.v["paradigm"], "layers": run.v["layers"], "steps": p["step"],
@@ -419,13 +475,16 @@ def finish(run: Run, out_dir: str) -> dict:
                "loss_budget": run.budget,   # B_k: each step's loss normaliser (docs/training.md)
                "parameters": sum(x.numel() for x in run.params), "draft_vocab_size": len(model.d2t),
                "dtype": run.rt.dtype, "device": run.rt.device}
+    if run.group and len(run.group) > 1:   # trained side by side, on the same batches (`train.group`)
+        metrics["group"] = run.group
     metrics["eval"] = evaluate(model, run.eval_src, run.head_w, run.steps_k, tc["batch_size"], tc["eval_batches"],
                                run.target if model.kv_attentions() else None, run.rt.dtype,
                                rank=run.rank, world=run.world)
     if run.rank == 0:
         model.save(out_dir, {"metrics.json": metrics, "train_log.json": p["log"], "variant.json": run.v})
         shutil.copyfile(run.live.path, Path(out_dir) / "train_log.jsonl")   # the live log, training and held-out lines
-        shutil.rmtree(run.ckpt.parent, ignore_errors=True)   # the drafter is saved: nothing left to resume
+        if remove_checkpoint:   # the drafter is saved: nothing left to resume
+            shutil.rmtree(run.ckpt.parent, ignore_errors=True)
     run.accel.wait_for_everyone()
     return metrics
 
