@@ -24,7 +24,7 @@ DEVICE_RULES = {"target", "capture_features", "target_continuations", "train_dra
                 "drift_stepwise", "drift_e2e", "train_drafter_group", "scaling_train_group", "plateau_train_group",
                 "blockwise_train_group", "drift_train_group"}   # *_group: drafters.group_training
 # a grouped drafter's folder, hard links into its group's (drafters.group_training): a `run:` rule on the
-# submitting host (localrules), no env, no SLURM job
+# submitting host (localrules), no SLURM job
 LOCAL_RULES = {"drafter_from_group", "scaling_drafter_from_group", "plateau_drafter_from_group",
                "blockwise_drafter_from_group", "drift_drafter_from_group"}
 OPTIONAL_RULES = {"regenerate_data", "export_eagle3", "eval_stepwise_shared", "blockwise_train", "blockwise_stepwise", "blockwise_e2e",
@@ -120,7 +120,7 @@ def test_rules_run_in_env_files_chosen_by_device(tmp_path):
     assert not unknown, f"rules {sorted(unknown)}: add them to DEVICE_RULES or CPU_RULES (tests/test_envs.py)"
     assert (DEVICE_RULES | CPU_RULES) - OPTIONAL_RULES <= set(paper)
     assert paper.pop("all") is None
-    for name in LOCAL_RULES:   # run on the submitting host (localrules), no env
+    for name in LOCAL_RULES:   # run on the submitting host (localrules)
         assert paper.pop(name) == "localrule", name
     for name, env in paper.items():
         assert env == (gpu if name in DEVICE_RULES else cpu), f"paper config: rule {name} runs in {env}"
