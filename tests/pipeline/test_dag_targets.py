@@ -196,7 +196,7 @@ def test_rules_run_in_env_files_chosen_by_device(tmp_path):
     assert not unknown, f"rules {sorted(unknown)}: add them to DEVICE_RULES or CPU_RULES (tests/unit/test_envs.py)"
     assert (DEVICE_RULES | CPU_RULES) - OPTIONAL_RULES <= set(paper)
     assert paper.pop("all") is None
-    for name in LOCAL_RULES:   # run on the submitting host (localrules), no env
+    for name in LOCAL_RULES:   # run on the submitting host (localrules)
         assert paper.pop(name) == "localrule", name
     for name, env in paper.items():
         assert env == (gpu if name in DEVICE_RULES else cpu), f"paper config: rule {name} runs in {env}"

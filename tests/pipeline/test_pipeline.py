@@ -150,7 +150,9 @@ def test_paper_dag_dry_runs_with_the_default_rule_graph(tmp_path):
     # one training job per variant and seed (drafters.seeds: default 3, smoke 2, paper 1)
     assert default == shared | {"train_drafter": 18}
     assert smoke == shared | {"train_drafter": 12}
-    assert paper == shared | {"train_drafter": 6}
+    # config/paper.yaml's drafters.group_training: kv-d4 alone, [eagle3, kv-d1, kv-d2] and [hybrid, standalone]
+    # side by side, each member then linked to results/drafters/<variant>/seed0
+    assert paper == shared | {"train_drafter": 1, "train_drafter_group": 2, "drafter_from_group": 5}
 
 
 def test_scaling_sweep_is_its_own_target(tmp_path):
@@ -159,8 +161,10 @@ def test_scaling_sweep_is_its_own_target(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout + proc.stderr
     jobs = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", out[out.index("Job stats:"):], re.M)}
-    # 3 sizes (70k, 140k, 280k) x 5 paradigms, each trained and evaluated, then one figure
-    assert jobs["scaling_train"] == 15 and jobs["scaling_stepwise"] == 15 and jobs["scaling_report"] == 1
+    # 3 sizes (70k, 140k, 280k) x 5 paradigms, each trained and evaluated, then one figure; trained:
+    # kv-d4 and hybrid alone, [eagle3, kv-d1, kv-d2] side by side (drafters.group_training)
+    assert (jobs["scaling_train"], jobs["scaling_train_group"], jobs["scaling_drafter_from_group"]) == (6, 3, 9)
+    assert jobs["scaling_stepwise"] == 15 and jobs["scaling_report"] == 1
     assert "results/scaling/n70000/drafters/kv-d4" in out
 
 
@@ -169,9 +173,9 @@ def test_paper_dag_through_the_slurm_profile_dry_runs_with_gpu_resources(tmp_pat
     proc = snakemake(wd, "-n", "-p", "--profile", "profiles/slurm", "--configfile", "config/paper.yaml")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "warning" not in out.lower(), out[-3000:]
-    blocks = [b for b in re.split(r"\n(?=\[)", out) if "rule train_drafter:" in b]
-    assert len(blocks) == 6 and all("gpu=8" in b and "slurm_partition=gpu" in b for b in blocks)
-    assert out.count("accelerate launch --multi_gpu --num_processes 8") == 6   # DDP over the job's 8 GPUs
+    blocks = [b for b in re.split(r"\n(?=\[)", out) if re.search(r"rule train_drafter(_group)?:", b)]
+    assert len(blocks) == 3 and all("gpu=8" in b and "slurm_partition=gpu" in b for b in blocks)   # kv-d4, 2 groups
+    assert out.count("accelerate launch --multi_gpu --num_processes 8") == 3   # DDP over the job's 8 GPUs
 
 
 def test_lint_is_clean(tmp_path):

@@ -63,9 +63,10 @@ def test_plateau_is_its_own_snakemake_target(tmp_path):
     # the default and paper configs dry-run it too (one training job per variant and seed)
     assert dry_run(wd, "results/plateau/claims.md")[0]["plateau_train"] == 18
     paper, paper_jobs, _ = dry_run(wd, "results/plateau/claims.md", config="config/paper.yaml")
-    assert paper["plateau_train"] == 6 and paper["plateau_report"] == 1
+    # drafters.group_training: kv-d4 alone, [eagle3, kv-d1, kv-d2] and [hybrid, standalone] side by side
+    assert (paper["plateau_train"], paper["plateau_train_group"], paper["plateau_report"]) == (1, 2, 1)
     assert all(overlay_of(j)["drafters"]["train"]["max_steps"] == 120000
-               for j in paper_jobs if j["rule"] == "plateau_train")
+               for j in paper_jobs if j["rule"] in ("plateau_train", "plateau_train_group"))
     # not part of the default run
     assert not any(rule.startswith("plateau") for rule in dry_run(wd, config="config/smoke.yaml")[0])
 

@@ -178,8 +178,8 @@ def assert_booked(job: dict, envs: dict[str, str | None]) -> None:
     partition and the GPU env; a CPU job no GPU, the CPU partition and the CPU env; online
     capture_features no GPU and the CPU partition, in the GPU env (offline it is a device job)."""
     rule, res = job["rule"], job["resources"]
-    if rule in LOCAL_RULES:   # hard links, a `run:` rule on the submitting host (localrules: tests/unit/test_envs.py)
-        assert job["shell"] == "None", job
+    if rule in LOCAL_RULES:   # hard links on the submitting host (localrules: tests/unit/test_envs.py)
+        assert "link_tree" in job["shell"] and launched_processes(job["shell"]) == 1, job
         return
     assert rule in DEVICE_RULES | CPU_RULES, f"rule {rule}: add it to DEVICE_RULES or CPU_RULES (tests/unit/test_envs.py)"
     assert "cpus_per_task" not in res, f"{rule}: cpus_per_task would override cpus_per_gpu"

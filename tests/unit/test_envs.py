@@ -24,7 +24,7 @@ DEVICE_RULES = {"target", "capture_features", "target_continuations", "train_dra
                 "drift_stepwise", "drift_e2e", "train_drafter_group", "scaling_train_group", "plateau_train_group",
                 "blockwise_train_group", "drift_train_group"}   # *_group: drafters.group_training
 # a grouped drafter's folder, hard links into its group's (drafters.group_training): a `run:` rule on the
-# submitting host (localrules), no env, no SLURM job
+# submitting host (localrules), no SLURM job
 LOCAL_RULES = {"drafter_from_group", "scaling_drafter_from_group", "plateau_drafter_from_group",
                "blockwise_drafter_from_group", "drift_drafter_from_group"}
 OPTIONAL_RULES = {"regenerate_data", "export_eagle3", "eval_stepwise_shared", "blockwise_train", "blockwise_stepwise", "blockwise_e2e",

@@ -44,7 +44,7 @@ use rule train_drafter_group as blockwise_train_group with:
         launcher=train_launcher(),
         rank_threads=train_rank_threads(),
         variants=group_variants,
-        checkpoints="results/blockwise/drafters",
+        checkpoints=group_checkpoints,
     log:
         log_path("blockwise_train_group", "_{group}_seed{seed}"),
     benchmark:
@@ -63,6 +63,10 @@ use rule drafter_from_group as blockwise_drafter_from_group with:
     wildcard_constraints:
         variant=BLOCK_GROUPS.grouped_pattern(),
         seed=r"\d+",
+    log:
+        log_path("blockwise_drafter_from_group", "_{variant}_seed{seed}"),
+    benchmark:
+        bench_path("blockwise_drafter_from_group", "_{variant}_seed{seed}")
 
 
 use rule eval_stepwise as blockwise_stepwise with:

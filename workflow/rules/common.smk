@@ -116,16 +116,14 @@ def group_params(*sections):
     return params
 
 
+def group_checkpoints(wildcards, output):
+    """Where a group job keeps each member's checkpoint, <root>/<variant>/seed<N>.ckpt: where a job
+    of that drafter alone keeps it (its output is <root>/.groups/<group>/seed<N>)."""
+    return str(Path(output[0]).parents[2])
+
+
 def group_variants(wildcards):
     return " ".join(wildcards.group.split("+"))
-
-
-def link_drafter(group_folder, variant, out):
-    """A grouped drafter's folder at its usual path: hard links to the group job's files (no
-    second copy on disk; a copy where the filesystem has no hard links)."""
-    from kvshot.core.io import link_tree
-
-    link_tree(Path(group_folder) / variant, out)
 
 
 def split_jsonl(wildcards):

@@ -42,7 +42,7 @@ use rule train_drafter_group as drift_train_group with:
         launcher=train_launcher(),
         rank_threads=train_rank_threads(),
         variants=group_variants,
-        checkpoints="results/drift/drafters",
+        checkpoints=group_checkpoints,
     log:
         log_path("drift_train_group", "_{group}_seed{seed}"),
     benchmark:
@@ -61,6 +61,10 @@ use rule drafter_from_group as drift_drafter_from_group with:
     wildcard_constraints:
         variant=DRIFT_GROUPS.grouped_pattern(),
         seed=r"\d+",
+    log:
+        log_path("drift_drafter_from_group", "_{variant}_seed{seed}"),
+    benchmark:
+        bench_path("drift_drafter_from_group", "_{variant}_seed{seed}")
 
 
 use rule eval_stepwise as drift_stepwise with:

@@ -38,7 +38,7 @@ use rule train_drafter_group as plateau_train_group with:
         launcher=train_launcher(),
         rank_threads=train_rank_threads(),
         variants=group_variants,
-        checkpoints="results/plateau/drafters",
+        checkpoints=group_checkpoints,
     log:
         log_path("plateau_train_group", "_{group}_seed{seed}"),
     benchmark:
@@ -57,6 +57,10 @@ use rule drafter_from_group as plateau_drafter_from_group with:
     wildcard_constraints:
         variant=CORE_GROUPS.grouped_pattern(),
         seed=r"\d+",
+    log:
+        log_path("plateau_drafter_from_group", "_{variant}_seed{seed}"),
+    benchmark:
+        bench_path("plateau_drafter_from_group", "_{variant}_seed{seed}")
 
 
 use rule eval_stepwise as plateau_stepwise with:

@@ -41,7 +41,7 @@ use rule train_drafter_group as scaling_train_group with:
         launcher=train_launcher(),
         rank_threads=train_rank_threads(),
         variants=group_variants,
-        checkpoints=lambda w: f"results/scaling/n{w.n}/drafters",
+        checkpoints=group_checkpoints,
     log:
         log_path("scaling_train_group", "_n{n}_{group}_seed{seed}"),
     benchmark:
@@ -61,6 +61,10 @@ use rule drafter_from_group as scaling_drafter_from_group with:
         n=r"\d+",
         variant=SCALING_GROUPS.grouped_pattern(),
         seed=r"\d+",
+    log:
+        log_path("scaling_drafter_from_group", "_n{n}_{variant}_seed{seed}"),
+    benchmark:
+        bench_path("scaling_drafter_from_group", "_n{n}_{variant}_seed{seed}")
 
 
 # Evaluation: eval_stepwise on the sweep's drafters (scaling.seeds; default the first of

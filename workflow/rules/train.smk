@@ -65,7 +65,7 @@ rule train_drafter_group:
         launcher=train_launcher(),
         rank_threads=train_rank_threads(),
         variants=group_variants,
-        checkpoints="results/drafters",
+        checkpoints=group_checkpoints,
     log:
         log_path("train_drafter_group", "_{group}_seed{seed}"),
     benchmark:
@@ -98,5 +98,16 @@ rule drafter_from_group:
     wildcard_constraints:
         variant=CORE_GROUPS.grouped_pattern(),
         seed=r"\d+",
-    run:
-        link_drafter(input[0], wildcards.variant, output[0])
+    log:
+        log_path("drafter_from_group", "_{variant}_seed{seed}"),
+    benchmark:
+        bench_path("drafter_from_group", "_{variant}_seed{seed}")
+    conda:
+        CPU_ENV
+    threads: 1
+    resources:
+        mem_mb=500,
+        runtime=10,
+    shell:
+        "python -c 'import sys; from kvshot.core.io import link_tree; link_tree(*sys.argv[1:])'"
+        " {input}/{wildcards.variant} {output} > {log} 2>&1"

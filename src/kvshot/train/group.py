@@ -18,7 +18,6 @@ walks the members in the same order, so their collectives pair up.
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 from kvshot.checks import GROUP_SHARED
 from kvshot.config import ConfigError, Runtime
@@ -26,7 +25,6 @@ from kvshot.core.progress import Progress
 from kvshot.train.diagnostics import diagnostic_batches
 from kvshot.train.loop import (Run, StoppedForRuntime, checkpoint, evaluate_heldout, fetch_batch, finish, heldout_due,
                                log, open_shared, setup_member, step_ids, stop_for_time, train_step)
-
 
 
 def check_members(runs: list[Run]) -> None:
@@ -157,7 +155,3 @@ def train_group(cfg: dict, rt: Runtime, names: list[str], train_dir: str, eval_d
     runs[0].accel.wait_for_everyone()
     return {name: results[name] for name in names}
 
-
-def member_dirs(out: str, names: list[str]) -> list[str]:
-    """A group job's output folder holds one drafter folder per member."""
-    return [str(Path(out) / name) for name in names]
