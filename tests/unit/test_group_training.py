@@ -16,6 +16,8 @@ import kvshot.train.loop as loop
 from kvshot.train.group import train_group
 from kvshot.train.loop import StoppedForRuntime, train_variant
 
+from .test_train import Killed, die_at_call
+
 NAMES = ["hyb", "kv2", "sa"]   # three paradigms: hybrid, KV-only, the standalone LM
 
 
@@ -148,10 +150,6 @@ def test_a_member_that_plateaus_leaves_and_the_others_train_on(tiny, tiny_featur
         assert same(root / n, tmp_path / "group" / n), n
 
 
-class Killed(BaseException):
-    """Stands in for SIGKILL."""
-
-
 def test_kill_and_runtime_stop_resume_every_member(tiny, tiny_features, tmp_path, monkeypatch, alone_runs, capsys):
     """sa trains 2 steps, hyb and kv2 4. Killed in step 3: sa had finished (its final
     checkpoint kept), the others resume from step 2; then the runtime stop checkpoints both
@@ -161,15 +159,7 @@ def test_kill_and_runtime_stop_resume_every_member(tiny, tiny_features, tmp_path
     cfg["drafters"]["variants"][2]["train"] = {"max_steps": 2}
     sa = alone(tiny, tiny_features, cfg, "sa", tmp_path / "alone_sa")
     assert sa["steps"] == 2
-    calls, real = {"n": 0}, loop.step_losses
-
-    def dying(*a, **kw):   # steps 0-1: 3 members, step 2: hyb then kv2; die in kv2's step 2
-        calls["n"] += 1
-        if calls["n"] == 8:
-            raise Killed
-        return real(*a, **kw)
-
-    monkeypatch.setattr(loop, "step_losses", dying)
+    die_at_call(monkeypatch, 8)   # steps 0-1: 3 members, step 2: hyb then kv2; die in kv2's step 2
     with pytest.raises(Killed):
         group(tiny, tiny_features, cfg, tmp_path / "g")
     monkeypatch.undo()

@@ -125,19 +125,10 @@ def test_changed_config_does_not_resume(tiny, tiny_features, tmp_path, capsys):
 
 def _killed_at_step_3(monkeypatch, train):
     """Run `train()` until it dies at step 3, after the step-2 checkpoint."""
-    calls = {"n": 0}
-    real = train_mod.step_losses
-
-    def dying(*a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise Killed
-        return real(*a, **kw)
-
-    monkeypatch.setattr(train_mod, "step_losses", dying)
+    die_at_call(monkeypatch, 4)
     with pytest.raises(Killed):
         train()
-    monkeypatch.setattr(train_mod, "step_losses", real)
+    monkeypatch.undo()
 
 
 def test_upstream_change_retrains_from_step_0(tiny, tiny_features, tmp_path, monkeypatch, capsys):

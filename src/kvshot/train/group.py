@@ -48,7 +48,7 @@ def read_union(runs: list[Run]) -> None:
     kv = sorted({l for r in runs for l in r.model.cfg.kv_layers})
     aux = any(r.model.reads_aux_hidden for r in runs)
     first = runs[0]
-    for src in {id(s): s for s in (first.train_src, first.eval_src, first.val_src)}.values():
+    for src in {id(s): s for s in (first.shared.train_src, first.shared.eval_src, first.shared.val_src)}.values():
         src.read_only(kv, aux)
 
 
@@ -58,7 +58,7 @@ def share_probe_batches(runs: list[Run]) -> None:
     for run in runs:
         count = run.tc["diagnostic_sequences"]
         if count not in built:
-            built[count] = diagnostic_batches(run.val_src, count, run.tc["max_len"], run.rt.device)
+            built[count] = diagnostic_batches(run.shared.val_src, count, run.tc["max_len"], run.rt.device)
         run.probe_batches = built[count]
 
 
@@ -152,6 +152,6 @@ def train_group(cfg: dict, rt: Runtime, names: list[str], train_dir: str, eval_d
     if runs[0].rank == 0:   # every member saved: nothing left to resume
         for run in runs:
             shutil.rmtree(run.ckpt.parent, ignore_errors=True)
-    runs[0].accel.wait_for_everyone()
+    runs[0].shared.accel.wait_for_everyone()
     return {name: results[name] for name in names}
 

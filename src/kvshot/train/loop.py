@@ -83,17 +83,27 @@ def _any_rank(accel, *flags: bool) -> list[bool]:
 # ---------------------------------------------------------------- training, phase by phase
 
 @dataclass
-class Run:
-    """One variant's training: what `setup` built, and `progress`, what a checkpoint saves."""
-    name: str
-    v: dict
-    rt: Runtime
+class Shared:
+    """What every drafter of a job reads alike: the accelerator, the target, the feature sources,
+    and the RNG state a drafter is initialised from (the state after loading them, as alone)."""
     accel: object
     target: object
     train_src: FeatureSource
     eval_src: FeatureSource
     val_src: FeatureSource
     heldout_split: str
+    val_dir: str
+    rng: tuple                  # (torch, python) RNG states right before a drafter is built
+    d2t: dict = field(default_factory=dict)   # the draft vocabulary, by (size, samples)
+
+
+@dataclass
+class Run:
+    """One variant's training: what `setup` built, and `progress`, what a checkpoint saves."""
+    name: str
+    v: dict
+    rt: Runtime
+    shared: Shared              # the accelerator, target and feature sources (those of its group)
     n: int                      # the train samples read
     model: Drafter
     head_w: torch.Tensor        # the target's LM head: the labels
@@ -128,11 +138,11 @@ class Run:
 
     @property
     def world(self) -> int:
-        return self.accel.num_processes
+        return self.shared.accel.num_processes
 
     @property
     def rank(self) -> int:
-        return self.accel.process_index
+        return self.shared.accel.process_index
 
     def no_good_state(self) -> str:
         return (f"last good checkpoint: step {self.saved_step} at {self.ckpt}" if self.saved_step is not None
@@ -149,21 +159,6 @@ class Step:
     positions: GradientPositions
     norms: dict | None
     totals: list[float]   # summed over processes: the objective, ce_sum_k, correct_k, acc_n_k, scored_k
-
-
-@dataclass
-class Shared:
-    """What every drafter of a job reads alike: the accelerator, the target, the feature sources,
-    and the RNG state a drafter is initialised from (the state after loading them, as alone)."""
-    accel: object
-    target: object
-    train_src: FeatureSource
-    eval_src: FeatureSource
-    val_src: FeatureSource
-    heldout_split: str
-    val_dir: str
-    rng: tuple                  # (torch, python) RNG states right before a drafter is built
-    d2t: dict = field(default_factory=dict)   # the draft vocabulary, by (size, samples)
 
 
 def open_shared(cfg: dict, rt: Runtime, train_dir: str, eval_dir: str, target_dir: str,
@@ -256,8 +251,7 @@ def setup_member(cfg: dict, rt: Runtime, shared: Shared, name: str, train_dir: s
     share = index["assistant_tokens"] / index["tokens"] if index.get("assistant_tokens") and index.get("tokens") else 1.0
     budget = token_budget(lengths, tc["batch_size"], steps_k, share)
     return Run(
-        name=name, v=v, rt=rt, accel=accel, target=target, train_src=train_src, eval_src=eval_src, val_src=val_src,
-        heldout_split=shared.heldout_split, n=n, model=model, head_w=target.lm_head.weight.detach(),
+        name=name, v=v, rt=rt, shared=shared, n=n, model=model, head_w=target.lm_head.weight.detach(),
         groups=param_groups(model), waiting=held_back(model, v), ddp=ddp, steps_k=steps_k, decay=decay, params=params,
         opt=opt, sched=sched, ckpt=ckpt, progress=progress, saved_step=saved_step, live=live,
         # the validation split: held out like eval, and what training-time measurements read (not the eval anchors)
@@ -292,7 +286,7 @@ def step_ids(run: Run) -> list[int]:
 
 def fetch_batch(run: Run, ids: list[int]) -> dict[str, torch.Tensor]:
     """This process's samples `ids`, cut to max_len, on the device (online: the target's forward)."""
-    return {k: t.to(run.rt.device) for k, t in _truncate(run.train_src.batch(ids), run.tc["max_len"]).items()}
+    return {k: t.to(run.rt.device) for k, t in _truncate(run.shared.train_src.batch(ids), run.tc["max_len"]).items()}
 
 
 def train_step(run: Run, logging: bool, batch: dict[str, torch.Tensor] | None = None) -> Step:
@@ -370,7 +364,7 @@ def shared_diagnostics(run: Run, s: Step) -> dict:
             attention = [float(bool(got)), *[x or 0.0 for x in per_k], *[float(x is not None) for x in per_k]]
         else:
             attention = attention_totals(model, batches, k, rank=run.rank, world=world)
-    local = torch.tensor([*key, *grads, *attention], dtype=torch.float64, device=run.accel.device)
+    local = torch.tensor([*key, *grads, *attention], dtype=torch.float64, device=run.shared.accel.device)
     flat = all_sum(local, world).tolist()
     key, grads, attention = flat[:2], flat[2: 2 + len(grads)], flat[2 + len(grads):]
     rec = {"kv_key_share": key[0] / max(key[1], 1) if model.kv_attentions() else None}
@@ -423,7 +417,7 @@ def evaluate_heldout(run: Run) -> bool:
     """A point of the held-out curve, each process on its share of the batches; True when the
     plateau rule stops training (every process decides alike on the same all-reduced numbers)."""
     tc, step = run.tc, run.progress["step"]
-    point = heldout_point(run.model, run.val_src, run.head_w, run.steps_k, run.decay, tc["batch_size"],
+    point = heldout_point(run.model, run.shared.val_src, run.head_w, run.steps_k, run.decay, tc["batch_size"],
                           tc["eval_batches"], run.rt.dtype, step, rank=run.rank, world=run.world)
     run.progress["heldout"].append(point)
     run.live.append(point)
@@ -438,14 +432,14 @@ def checkpoint(run: Run) -> None:
     if run.rank == 0:
         save_checkpoint(run.ckpt, run.model, run.opt, run.sched, run.progress)
     run.saved_step = run.progress["step"]
-    run.accel.wait_for_everyone()
+    run.shared.accel.wait_for_everyone()
 
 
 def stop_for_time(run: Run) -> str | None:
     """'runtime' past the job's deadline (checkpoint and raise StoppedForRuntime), 'max_minutes'
     past the training budget (finish with the steps done), on any process; else None."""
     now = time.time()
-    over_budget, over_runtime = _any_rank(run.accel, now - run.start > 60 * run.tc["max_minutes"],
+    over_budget, over_runtime = _any_rank(run.shared.accel, now - run.start > 60 * run.tc["max_minutes"],
                                           run.deadline is not None and now > run.deadline)
     return "runtime" if over_runtime else "max_minutes" if over_budget else None
 
@@ -469,7 +463,7 @@ def finish(run: Run, out_dir: str, remove_checkpoint: bool = True) -> dict:
     plateau = tc.get("plateau") or {}
     metrics = {"variant": run.name, "paradigm": run.v["paradigm"], "layers": run.v["layers"], "steps": p["step"],
                "stopped_by": p.get("stopped_by", "max_steps"), "seed": run.rt.seed, "train_samples": run.n,
-               "heldout_curve": p["heldout"], "heldout_split": run.heldout_split, "plateau_rule": plateau or None,
+               "heldout_curve": p["heldout"], "heldout_split": run.shared.heldout_split, "plateau_rule": plateau or None,
                "resumed_from": p["resumed_from"], "world_size": run.world, "train_seconds": seconds,
                "train_tokens_per_s": int(run.tokens) * run.world / max(seconds, 1e-9),
                "loss_budget": run.budget,   # B_k: each step's loss normaliser (docs/training.md)
@@ -477,15 +471,15 @@ def finish(run: Run, out_dir: str, remove_checkpoint: bool = True) -> dict:
                "dtype": run.rt.dtype, "device": run.rt.device}
     if run.group and len(run.group) > 1:   # trained side by side, on the same batches (`train.group`)
         metrics["group"] = run.group
-    metrics["eval"] = evaluate(model, run.eval_src, run.head_w, run.steps_k, tc["batch_size"], tc["eval_batches"],
-                               run.target if model.kv_attentions() else None, run.rt.dtype,
+    metrics["eval"] = evaluate(model, run.shared.eval_src, run.head_w, run.steps_k, tc["batch_size"], tc["eval_batches"],
+                               run.shared.target if model.kv_attentions() else None, run.rt.dtype,
                                rank=run.rank, world=run.world)
     if run.rank == 0:
         model.save(out_dir, {"metrics.json": metrics, "train_log.json": p["log"], "variant.json": run.v})
         shutil.copyfile(run.live.path, Path(out_dir) / "train_log.jsonl")   # the live log, training and held-out lines
         if remove_checkpoint:   # the drafter is saved: nothing left to resume
             shutil.rmtree(run.ckpt.parent, ignore_errors=True)
-    run.accel.wait_for_everyone()
+    run.shared.accel.wait_for_everyone()
     return metrics
 
 
