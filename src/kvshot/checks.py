@@ -106,14 +106,18 @@ def _group_settings(cfg: dict, name: str) -> tuple:
                  (0 if k == "length_grouping" else tc.get(k)) for k in GROUP_SHARED)
 
 
-def check_groups(cfg: dict, fail: Callable[[list[str], str], None]) -> None:
-    """drafters.group_training: known names, each in one group, members that share a stream of batches."""
+def check_groups(cfg: dict, fail: Callable[[list[str], str], None], partial: bool = False) -> None:
+    """drafters.group_training: known names, each in one group, members that share a stream of batches.
+    `partial`: a stage's view of the config (its own sections), which may leave out the sections
+    that define some members (blockwise, drift): those are checked when the whole config is."""
     setting = cfg["drafters"].get("group_training")
     if not isinstance(setting, list):
         return
     known, seen = {v["name"] for _, v in all_variants(cfg)}, {}
     for i, group in enumerate(setting):
         path = ["drafters", "group_training", str(i)]
+        if partial:
+            group = [name for name in group if name in known]
         for name in group:
             if name not in known:
                 fail(path, f"no variant named {name!r} (have {sorted(known)})")
@@ -121,15 +125,16 @@ def check_groups(cfg: dict, fail: Callable[[list[str], str], None]) -> None:
                 fail(path, f"{name!r} is also in group {seen[name]}: a drafter trains in one group")
             seen[name] = i
         settings = {name: _group_settings(cfg, name) for name in group}
-        first = group[0]
+        first = group[0] if group else None
         for name in group[1:]:
             if settings[name] != settings[first]:
                 diff = [k for k, a, b in zip(GROUP_SHARED, settings[first], settings[name]) if a != b]
                 fail(path, f"{first} and {name} differ in train.{', '.join(diff)}: a group reads one stream of batches")
 
 
-def check_consistency(cfg: dict, fail: Callable[[list[str], str], None]) -> None:
-    """Call fail(path, problem) for the first impossible combination found."""
+def check_consistency(cfg: dict, fail: Callable[[list[str], str], None], partial: bool = False) -> None:
+    """Call fail(path, problem) for the first impossible combination found. `partial`: the config
+    holds only a stage's sections (`validate_config`'s `sections`)."""
     for section in ("target", "tokenizer"):
         part = cfg.get(section) or {}
         if part.get("source") == "pretrained" and part.get("name") and missing_local_path(part["name"]):
@@ -148,7 +153,7 @@ def check_consistency(cfg: dict, fail: Callable[[list[str], str], None]) -> None
             if v.get("fc_norm") and v.get("norm_before_fc"):   # one norm per aux state, or one over them all
                 fail(path + ["fc_norm"], "excludes norm_before_fc (per-state norms vs one norm over the "
                      "concatenation, EAGLE-3.1 uses fc_norm): set one")
-        check_groups(cfg, fail)
+        check_groups(cfg, fail, partial)
         tc = drafters["train"]
         if drafters["ttt_steps"] + 2 > tc["max_len"]:
             fail(["drafters", "ttt_steps"], f"{drafters['ttt_steps']} steps need sequences of at least "

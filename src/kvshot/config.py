@@ -102,7 +102,8 @@ def validate_config(cfg: Any, sources: str | list[str], sections: tuple[str, ...
     def fail(path: list[str], problem: str) -> None:
         raise ConfigError(f"{blame(sources, path)}: {'.'.join(path)}: {problem}")
 
-    check_consistency(fill_defaults(copy.deepcopy(cfg)), fail)   # an omitted field means the schema's default
+    # an omitted field means the schema's default; a stage's sections alone are a partial view
+    check_consistency(fill_defaults(copy.deepcopy(cfg)), fail, partial=sections is not None)
 
 
 def _check_semantics(cfg: dict, source: str) -> None:

@@ -186,3 +186,16 @@ def test_no_stage_writes_a_config_default_of_its_own():
     assert found == []
     sample = package / "evaluate" / "e2e.py"
     assert len(literal_defaults(sample)) >= 2   # the scan sees the allowed result-file reads
+
+
+def test_a_stage_sees_group_members_of_sections_it_does_not_hold():
+    """config/paper.yaml trains block-wise variants in groups (drafters.group_training names them;
+    blockwise.variants defines them). train-drafter's stage validates only its own sections, so it
+    cannot see them and lets them be; the whole config, as Snakemake checks it, refuses a name no
+    section defines."""
+    cfg = read_config([str(REPO / "config/config.yaml"), str(REPO / "config/paper.yaml")])
+    assert any("block-kv-d1" in g for g in cfg["drafters"]["group_training"])
+    validate_config(stage_config(cfg, "drafters"), "x", sections=("drafters",))
+    cfg["drafters"]["group_training"][0].append("nope")
+    with pytest.raises(ConfigError, match="group_training.0: no variant named 'nope'"):
+        validate_config(cfg, "x")
