@@ -208,8 +208,13 @@ def fill_defaults(cfg: dict, schema: dict | None = None) -> dict:
 
 
 def stage_config(cfg: dict, *sections: str) -> dict:
-    """The part of the config one stage depends on (what a rule passes as params)."""
-    return {k: cfg[k] for k in (*GLOBALS, *sections) if k in cfg}
+    """The part of the config one stage depends on (what a rule passes as params). Without
+    drafters.group_training: it shapes the DAG (which job trains which drafters), changes no
+    drafter, and names variants of sections a stage may not get."""
+    out = {k: cfg[k] for k in (*GLOBALS, *sections) if k in cfg}
+    if "group_training" in out.get("drafters", {}):
+        out["drafters"] = {k: v for k, v in out["drafters"].items() if k != "group_training"}
+    return out
 
 
 # ---------------------------------------------------------------- runtime choices

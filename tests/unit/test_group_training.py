@@ -184,3 +184,18 @@ def test_members_must_share_one_stream_of_batches(tiny, tiny_features, tmp_path)
     cfg["drafters"]["variants"][1]["train"] = {"max_len": 32}
     with pytest.raises(ConfigError, match="max_len 48 and 32"):
         group(tiny, tiny_features, cfg, tmp_path / "g", ["hyb", "kv2"])
+
+
+def test_stage_configs_leave_the_groups_out():
+    """A stage's config (its rule's params) holds no drafters.group_training: it names variants
+    of sections the stage may not get (config/paper.yaml's block and drift groups: scaling_stepwise
+    gets neither section and failed its check), and which job trains a drafter changes nothing in it."""
+    from kvshot.config import read_config, stage_config, validate_config
+
+    from ..conftest import REPO
+
+    cfg = read_config([str(REPO / "config/config.yaml"), str(REPO / "config/paper.yaml")])
+    assert len(cfg["drafters"]["group_training"]) == 5
+    part = stage_config(cfg, "target", "drafters", "eval")
+    assert "group_training" not in part["drafters"]
+    validate_config(part, "x", sections=("target", "drafters", "eval"))

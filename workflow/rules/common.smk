@@ -65,8 +65,7 @@ def variant_params(*sections):
     def params(wildcards):
         cfg = stage_config(config, *sections)
         own = [v for _, v in all_variants(config) if v["name"] == wildcards.variant]
-        # group_training changes no drafter (kvshot.train.group): toggling it retrains nothing
-        cfg["drafters"] = {k: x for k, x in cfg["drafters"].items() if k != "group_training"} | {"variants": own}
+        cfg["drafters"] = {**cfg["drafters"], "variants": own}   # (stage_config leaves group_training out)
         return json.dumps(cfg, sort_keys=True)
 
     return params
@@ -110,7 +109,7 @@ def group_params(*sections):
         members = wildcards.group.split("+")
         cfg = stage_config(config, *sections)
         own = [v for _, v in all_variants(config) if v["name"] in members]
-        cfg["drafters"] = {k: x for k, x in cfg["drafters"].items() if k != "group_training"} | {"variants": own}
+        cfg["drafters"] = {**cfg["drafters"], "variants": own}
         return json.dumps(cfg, sort_keys=True)
 
     return params
