@@ -99,11 +99,15 @@ def training_groups(cfg: dict, names: list[str]) -> list[list[str]]:
     return [g for g in groups if len(g) > 1]
 
 
+def stream_settings(tc: dict) -> tuple:
+    """A train section's GROUP_SHARED values, length_grouping 0 when it groups nothing (0 or 1)."""
+    grouping = int(tc.get("length_grouping") or 0)
+    return tuple((grouping if grouping > 1 else 0) if k == "length_grouping" else tc.get(k) for k in GROUP_SHARED)
+
+
 def _group_settings(cfg: dict, name: str) -> tuple:
     entry = next(v for _, v in all_variants(cfg) if v["name"] == name)
-    tc = {**cfg["drafters"]["train"], **(entry.get("train") or {})}
-    return tuple(int(tc.get(k) or 0) if k == "length_grouping" and int(tc.get(k) or 0) > 1 else
-                 (0 if k == "length_grouping" else tc.get(k)) for k in GROUP_SHARED)
+    return stream_settings({**cfg["drafters"]["train"], **(entry.get("train") or {})})
 
 
 def check_groups(cfg: dict, fail: Callable[[list[str], str], None], partial: bool = False) -> None:

@@ -62,13 +62,15 @@ def variant_params(*sections):
     variant's entry, so adding or editing a variant reruns its own jobs alone. A block variant
     or gate remedy (blockwise.variants / remedies, blockwise.smk) is looked up there."""
 
-    def params(wildcards):
-        cfg = stage_config(config, *sections)
-        own = [v for _, v in all_variants(config) if v["name"] == wildcards.variant]
-        cfg["drafters"] = {**cfg["drafters"], "variants": own}   # (stage_config leaves group_training out)
-        return json.dumps(cfg, sort_keys=True)
+    return lambda wildcards: _variants_params(sections, [wildcards.variant])
 
-    return params
+
+def _variants_params(sections, names):
+    """stage_params with drafters.variants holding only the entries of `names`."""
+    cfg = stage_config(config, *sections)
+    own = [v for _, v in all_variants(config) if v["name"] in names]
+    cfg["drafters"] = {**cfg["drafters"], "variants": own}   # (stage_config leaves group_training out)
+    return json.dumps(cfg, sort_keys=True)
 
 
 class TrainGroups:
@@ -105,14 +107,7 @@ class TrainGroups:
 def group_params(*sections):
     """variant_params for a group job: drafters.variants holds its members' entries."""
 
-    def params(wildcards):
-        members = wildcards.group.split("+")
-        cfg = stage_config(config, *sections)
-        own = [v for _, v in all_variants(config) if v["name"] in members]
-        cfg["drafters"] = {**cfg["drafters"], "variants": own}
-        return json.dumps(cfg, sort_keys=True)
-
-    return params
+    return lambda wildcards: _variants_params(sections, wildcards.group.split("+"))
 
 
 def group_checkpoints(wildcards, output):

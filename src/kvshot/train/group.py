@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import shutil
 
-from kvshot.checks import GROUP_SHARED
+from kvshot.checks import GROUP_SHARED, stream_settings
 from kvshot.config import ConfigError, Runtime
 from kvshot.core.progress import Progress
 from kvshot.train.diagnostics import diagnostic_batches
@@ -30,11 +30,8 @@ from kvshot.train.loop import (Run, StoppedForRuntime, checkpoint, evaluate_held
 def check_members(runs: list[Run]) -> None:
     """Members read one stream of batches: the same samples (n), batch size, cut and order."""
     first = runs[0]
-    for run in runs[1:]:
-        for key in GROUP_SHARED:   # the samples, their cut and their order
-            a, b = first.tc.get(key), run.tc.get(key)
-            if key == "length_grouping":
-                a, b = int(a or 0) if int(a or 0) > 1 else 0, int(b or 0) if int(b or 0) > 1 else 0
+    for run in runs[1:]:   # the samples, their cut and their order
+        for key, a, b in zip(GROUP_SHARED, stream_settings(first.tc), stream_settings(run.tc)):
             if a != b:
                 raise ConfigError(f"config: drafters.group_training: {first.name} and {run.name} train with "
                                   f"{key} {a} and {b}: a group reads one stream of batches")
