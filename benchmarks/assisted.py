@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kvshot.capture.target import load_target
-from kvshot.config import read_config, runtime
+from kvshot.config import runtime, typed_config
 from kvshot.core.io import read_json
 from kvshot.drafters import load_drafter
 from kvshot.drafters.standalone import to_hf
@@ -70,15 +70,15 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's)")
     args = ap.parse_args()
-    cfg = read_config(args.config or ["config/config.yaml"])
+    cfg = typed_config(args.config or ["config/config.yaml"])
     rt = runtime(cfg)
     if args.threads:   # e.g. 1 when another job holds a core: spinning intra-op threads distort both
         torch.set_num_threads(args.threads)
     res = Path(args.results)
-    target = load_target(res / "target/model", rt, cfg["target"]["attn_implementation"])
+    target = load_target(res / "target/model", rt, cfg.target.attn_implementation)
     drafter = load_drafter(res / "drafters" / args.variant, rt.device, embed=target.model.embed_tokens.weight).eval()
     hf_draft = to_hf(drafter, target.config.max_position_embeddings, target.config._attn_implementation)
-    steps = cfg["drafters"]["ttt_steps"]
+    steps = cfg.drafters.ttt_steps
     constant_drafts(hf_draft, steps)
     cont = read_json(res / "eval/continuations.json")
     eos, pad = cont["eos_id"], target.config.pad_token_id

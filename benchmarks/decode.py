@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kvshot.capture.target import load_target
-from kvshot.config import read_config, runtime
+from kvshot.config import runtime, typed_config
 from kvshot.core.io import read_json
 from kvshot.drafters import load_drafter
 from kvshot.evaluate.decode import plain_generate, speculative_generate
@@ -50,15 +50,15 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=64)
     args = ap.parse_args()
-    cfg = read_config(args.config or ["config/config.yaml"])
+    cfg = typed_config(args.config or ["config/config.yaml"])
     rt = runtime(cfg)
     res = Path(args.results)
     target = load_target(res / "target/model", rt)
     cont = read_json(res / "eval/continuations.json")
     items, eos = cont["items"][: args.prompts], cont["eos_id"]
     aux = tuple(read_json(res / "features/eval/index.json")["spec"]["aux_layers"])
-    steps = cfg["drafters"]["ttt_steps"]
-    names = args.variants or [v["name"] for v in cfg["drafters"]["variants"]]
+    steps = cfg.drafters.ttt_steps
+    names = args.variants or [v.name for v in cfg.drafters.variants]
     prompts = [torch.tensor([it["prompt"]]) for it in items]
     plain_generate(target, prompts[0], 8, eos)                                   # warm-up
     rows, ok, plain_ms = [], True, []

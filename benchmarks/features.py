@@ -21,7 +21,7 @@ import torch
 
 from kvshot.capture.features import capture_split, length_batches, pad_batch, tokenize_split
 from kvshot.capture.target import load_target
-from kvshot.config import read_config, runtime
+from kvshot.config import runtime, typed_config
 from kvshot.data.tokenizer import load_tokenizer
 
 OVERHEAD_TARGET = 1.10
@@ -43,13 +43,13 @@ def main() -> int:
     ap.add_argument("--split", default="results/data/eval.jsonl")
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
-    cfg = read_config(args.config or ["config/config.yaml"])
+    cfg = typed_config(args.config or ["config/config.yaml"])
     rt = runtime(cfg)
     model = load_target(args.target, rt)
     tok = load_tokenizer(args.target)
-    fcfg = cfg["features"]
-    samples = tokenize_split(args.split, tok, fcfg.get("max_len") or cfg["data"]["max_len"])[: fcfg.get("max_samples")]
-    groups = length_batches([s["input_ids"].shape[0] for s in samples], fcfg["batch_tokens"])
+    fcfg = cfg.features
+    samples = tokenize_split(args.split, tok, fcfg.max_len or cfg.data.max_len)[: fcfg.max_samples]
+    groups = length_batches([s["input_ids"].shape[0] for s in samples], fcfg.batch_tokens)
     forward_only(model, samples, groups[:2], tok.pad_token_id)            # warm-up
 
     # Forward, capture, forward, capture, ..., forward: each capture is compared with the mean of

@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -50,8 +51,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from kvshot.capture.features import INDEX, TOKEN_KEYS, open_features
 from kvshot.capture.shard_writer import ShardWriter
 from kvshot.capture.target import target_forward
-from kvshot.checks import all_variants
-from kvshot.config import Runtime, drafter_autocast, feature_spec, read_config
+from kvshot.config import Runtime, drafter_autocast, feature_spec, typed_config
 from kvshot.core.io import write_json
 from kvshot.drafters import attention as attention_backends
 from kvshot.drafters.attention import pick_backend, use_attention
@@ -61,6 +61,7 @@ from kvshot.evaluate.decode import plain_generate, speculative_generate
 from kvshot.evaluate.draft_tree import DraftSpec
 from kvshot.train import loop as train
 from kvshot.train.objective import objective, step_losses, target_labels, weighted_loss
+from kvshot.settings import Config, FeaturesSettings, to_dict
 from kvshot.train.variants import build_variant, variant_config
 from ttt import matmul_peak   # benchmarks/ttt.py: this script's folder is on sys.path
 
@@ -227,26 +228,25 @@ def cost_shape(shape: str) -> dict:
     rollout tokens for the step-wise natural protocol). small: the smoke target at a few
     tokens, seconds on a CPU."""
     if shape == "paper":
-        cfg = read_config([str(REPO / "config/config.yaml"), str(REPO / "config/paper.yaml")])
-        tc, ncfg = cfg["drafters"]["train"], cfg["eval"]["natural"]
-        per_rank = max(1, tc["batch_size"] // tc["num_processes"])
+        cfg = typed_config([str(REPO / "config/config.yaml"), str(REPO / "config/paper.yaml")])
+        tc, ncfg = cfg.drafters.train, cfg.eval.natural
+        per_rank = max(1, tc.batch_size // tc.num_processes)
         return {"arch": {k: v for k, v in QWEN3_8B.items() if k != "vocab_size"}, "vocab": QWEN3_8B["vocab_size"],
-                "seq_len": tc["max_len"], "train_batch": per_rank, "eval_batch": per_rank,
-                "stepwise_batch": ncfg["batch_size"], "prefix_len": ncfg["max_prefix_len"],
-                "rollout_tokens": ncfg["rollout_tokens"], "features": cfg["features"]}
-    cfg = read_config([str(REPO / "config/config.yaml"), str(REPO / "config/smoke.yaml")])
-    return {"arch": dict(cfg["target"]["arch"]), "vocab": cfg["tokenizer"]["vocab_size"], "seq_len": 32,
+                "seq_len": tc.max_len, "train_batch": per_rank, "eval_batch": per_rank,
+                "stepwise_batch": ncfg.batch_size, "prefix_len": ncfg.max_prefix_len,
+                "rollout_tokens": ncfg.rollout_tokens, "features": cfg.features}
+    cfg = typed_config([str(REPO / "config/config.yaml"), str(REPO / "config/smoke.yaml")])
+    return {"arch": to_dict(cfg.target.arch), "vocab": cfg.tokenizer.vocab_size, "seq_len": 32,
             "train_batch": 1, "eval_batch": 1, "stepwise_batch": 4, "prefix_len": 24, "rollout_tokens": 8,
-            "features": cfg["features"]}
+            "features": cfg.features}
 
 
-def online_source(folder: Path, target, samples: int, seq: int, fcfg: dict, rt: Runtime):
+def online_source(folder: Path, target, samples: int, seq: int, fcfg: FeaturesSettings, rt: Runtime):
     """An online feature folder of random token sequences (the aux layers of config section
     `fcfg`, every KV layer), read through kvshot.capture.features as the trainer reads it: every batch
     is a target forward."""
     n = target.config.num_hidden_layers
-    spec = feature_spec({"aux_layers": fcfg.get("aux_layers"), "aux_rule": fcfg.get("aux_rule", "relative"),
-                         "kv_layers": "all", "dtype": rt.dtype}, n)
+    spec = feature_spec(replace(fcfg, kv_layers="all", dtype=rt.dtype), n)
     ids = torch.randint(3, target.config.vocab_size, (samples, seq), dtype=torch.int32)
     rows = {"input_ids": ids, "loss_mask": torch.ones(samples, seq, dtype=torch.uint8)}
     folder.mkdir(parents=True)
@@ -297,7 +297,7 @@ def rank_step(model, fwd, opt, params, src, sequences: int, head_w, steps: int, 
     return {"loss": float(loss.detach()), "grad_norm": float(norm)}
 
 
-def compiled_steps(run: "Run", cfg: dict, device: str, dtype: torch.dtype) -> None:
+def compiled_steps(run: "Run", cfg: Config, device: str, dtype: torch.dtype) -> None:
     """Per paradigm (block-wise included), at the small shape: two training steps through the
     backend `auto` picks for training on CUDA (flex, its block masks and kernel compiled), the
     first with the compilation, against the same first step through the reference attention
@@ -306,17 +306,17 @@ def compiled_steps(run: "Run", cfg: dict, device: str, dtype: torch.dtype) -> No
     size = cost_shape("small")
     rt = Runtime(device=device, dtype="bfloat16", threads=1, seed=0)
     target = random_target(size["arch"], size["vocab"], device, dtype)
-    dcfg = cfg["drafters"]
+    dcfg = cfg.drafters
     paradigms: dict[str, str] = {}
-    for _, v in all_variants(cfg):
-        paradigms.setdefault(v["paradigm"], v["name"])
+    for v in cfg.all_variants():
+        paradigms.setdefault(v.paradigm, v.name)
     folder = Path(tempfile.mkdtemp(prefix="kvshot-gpu-compiled-"))
     try:
         src = online_source(folder / "features", target, 2, size["seq_len"], size["features"], rt)
         for paradigm, name in paradigms.items():
             def row(name=name):
                 v = variant_config(cfg, name)
-                d2t = torch.arange(min(dcfg["draft_vocab_size"], size["vocab"]))
+                d2t = torch.arange(min(dcfg.draft_vocab_size, size["vocab"]))
                 out, state = {}, None
                 for backend in ("reference", "auto"):
                     torch.manual_seed(0)
@@ -341,7 +341,7 @@ def compiled_steps(run: "Run", cfg: dict, device: str, dtype: torch.dtype) -> No
                             as_cuda = device == "cpu" and backend == "auto"
                             with attention_backends.cuda_branches() if as_cuda else contextlib.nullcontext():
                                 step = rank_step(model, training_forward(model), opt, params, src, 2,
-                                                 target.lm_head.weight, steps, decay, rt, v["train"]["grad_clip"])
+                                                 target.lm_head.weight, steps, decay, rt, v.train.grad_clip)
                             sync(device)
                             times.append(time.perf_counter() - t0)
                             out.setdefault(backend, step)
@@ -361,7 +361,7 @@ def compiled_steps(run: "Run", cfg: dict, device: str, dtype: torch.dtype) -> No
         use_attention("auto")
 
 
-def paradigm_costs(run: "Run", cfg: dict, shape: str, target, target_shape: tuple[dict, int], device: str,
+def paradigm_costs(run: "Run", cfg: Config, shape: str, target, target_shape: tuple[dict, int], device: str,
                    dtype: torch.dtype) -> None:
     """Per paradigm (the first variant of each, block-wise ones included), at `shape`
     (cost_shape): `train_drafter/<p>` one training step of one rank (the online target forward,
@@ -374,15 +374,15 @@ def paradigm_costs(run: "Run", cfg: dict, shape: str, target, target_shape: tupl
     rt = Runtime(device=device, dtype="bfloat16" if dtype == torch.bfloat16 else "float32", threads=1, seed=0)
     if (size["arch"], size["vocab"]) != target_shape:   # `target` (arch, vocab) is another shape: build this one
         target = random_target(size["arch"], size["vocab"], device, dtype)
-    dcfg, steps_k = cfg["drafters"], cfg["drafters"]["ttt_steps"]
+    dcfg, steps_k = cfg.drafters, cfg.drafters.ttt_steps
     head_w = target.lm_head.weight
     paradigms: dict[str, str] = {}
-    for _, v in all_variants(cfg):
-        paradigms.setdefault(v["paradigm"], v["name"])
+    for v in cfg.all_variants():
+        paradigms.setdefault(v.paradigm, v.name)
     labels = {"shape": shape, "seq_len": size["seq_len"]}
     base: dict[str, dict] = {}
     folder = Path(tempfile.mkdtemp(prefix="kvshot-gpu-costs-"))
-    use_attention(dcfg.get("attention", "auto"))
+    use_attention(dcfg.attention)
     try:
         src = online_source(folder / "features", target, max(size["train_batch"], size["eval_batch"]),
                             size["seq_len"], size["features"], rt)
@@ -394,7 +394,7 @@ def paradigm_costs(run: "Run", cfg: dict, shape: str, target, target_shape: tupl
                  for i in range(size["stepwise_batch"])]
         for paradigm, name in paradigms.items():
             v = variant_config(cfg, name)
-            d2t = torch.arange(min(dcfg["draft_vocab_size"], size["vocab"]))
+            d2t = torch.arange(min(dcfg.draft_vocab_size, size["vocab"]))
             try:
                 model = build_variant(v, target.config, target.model.embed_tokens.weight, d2t, target).to(device)
             except Exception as e:   # one paradigm's failure must not cost the others
@@ -410,7 +410,7 @@ def paradigm_costs(run: "Run", cfg: dict, shape: str, target, target_shape: tupl
 
             def train_once():
                 return rank_step(model, fwd, opt, params, src, size["train_batch"], head_w, steps, decay, rt,
-                                 v["train"]["grad_clip"])
+                                 v.train.grad_clip)
 
             def evaluate_once():
                 ev = train.evaluate(model, src, head_w, steps, size["eval_batch"], 1,
@@ -461,23 +461,23 @@ def main() -> int:
                     help="config, online_features, compiled_step and the rule_cost rows only (a short device check)")
     args = ap.parse_args()
     args.shape = args.shape or ("small" if args.dry else "paper")
-    cfg = read_config(args.config or (["config/config.yaml", "config/smoke.yaml"] if args.dry else ["config/paper.yaml"]))
+    cfg = typed_config(args.config or (["config/config.yaml", "config/smoke.yaml"] if args.dry else ["config/paper.yaml"]))
     run = Run(Path(args.out), args.budget_s)
     if not args.dry and not torch.cuda.is_available():
         run.emit("config", error="no CUDA device: run with --dry for the CPU check")
         return 1
     device, dtype = ("cpu", torch.float32) if args.dry else ("cuda", torch.bfloat16)
-    dcfg = cfg["drafters"]
+    dcfg = cfg.drafters
     if args.dry:
-        arch, vocab = dict(cfg["target"]["arch"]), cfg["tokenizer"]["vocab_size"]
+        arch, vocab = to_dict(cfg.target.arch), cfg.tokenizer.vocab_size
         seq, prompt_len, new_tokens = 16, 8, 4
         args.iters = 1
     else:
         arch, vocab = {k: v for k, v in QWEN3_8B.items() if k != "vocab_size"}, QWEN3_8B["vocab_size"]
-        seq, prompt_len, new_tokens = dcfg["train"]["max_len"], 512, 32
-    steps, decay = dcfg["ttt_steps"], dcfg["step_decay"]
+        seq, prompt_len, new_tokens = dcfg.train.max_len, 512, 32
+    steps, decay = dcfg.ttt_steps, dcfg.step_decay
     backends = (args.backends or "flex,sdpa").split(",")
-    configured = dcfg.get("attention", "auto")
+    configured = dcfg.attention
     run.emit("config", device=device, dtype=str(dtype), arch=arch, vocab=vocab, seq_len=seq, ttt_steps=steps,
              configured_attention=configured, backends=backends,
              cuda_training_backend=pick_backend("cuda", torch.bfloat16, training=True, choice=configured),
@@ -507,11 +507,11 @@ def main() -> int:
     if not batch:
         return 1
     paradigms = {}
-    for v in dcfg["variants"]:
-        paradigms.setdefault(v["paradigm"], v)   # the first variant of each paradigm
+    for v in dcfg.variants:
+        paradigms.setdefault(v.paradigm, v)   # the first variant of each paradigm
     models = {}
     for paradigm, v in (() if args.only_costs else paradigms.items()):
-        d2t = torch.arange(min(dcfg["draft_vocab_size"], vocab))
+        d2t = torch.arange(min(dcfg.draft_vocab_size, vocab))
         model = build_variant(v, target.config, target.model.embed_tokens.weight, d2t).to(device)
         models[paradigm] = model
         flops = {}
@@ -521,12 +521,12 @@ def main() -> int:
             flops["peak"] = matmul_peak(512, 5) if args.dry else H200_BF16_PEAK
             return {"flops_per_step": flops["flops"], "peak_flops": flops["peak"]}
 
-        run.figure("flop_count", flop_count, paradigm=paradigm, variant=v["name"])
+        run.figure("flop_count", flop_count, paradigm=paradigm, variant=v.name)
         for backend in backends:
             backward = device == "cuda" or backend != "flex"   # flex: no backward on CPU
             run.figure("train_step", lambda: measure_train(model, batch, head_w, steps, decay, autocast, device, backend,
                                                            args.iters, flops or None, backward),
-                       paradigm=paradigm, variant=v["name"], backend=backend, seq_len=seq)
+                       paradigm=paradigm, variant=v.name, backend=backend, seq_len=seq)
     use_attention("auto")
 
     def overhead():

@@ -21,8 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvshot.config import read_config  # noqa: E402
+from kvshot.config import typed_config  # noqa: E402
 from kvshot.paper_shapes.group_shapes import config_groups, group_train_row  # noqa: E402
+from kvshot.settings import Config  # noqa: E402
 from kvshot.paper_shapes.shape_rules import (CUDA_FIXED_GB, FRAGMENTATION, GPU_GB, HEADROOM_GB, PaperShapes, Row,
                                              ddp_buckets_alias_grads, gpu_limit_gb)
 
@@ -59,14 +60,14 @@ def table(rows: list[Row], gpu_gb: float = GPU_GB) -> str:
     return "\n".join(lines)
 
 
-def training_hours(rows: list[Row], cfg: dict, mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS) -> list[tuple]:
+def training_hours(rows: list[Row], cfg: Config, mfu: float = MFU, peak_tflops: float = PEAK_TFLOPS) -> list[tuple]:
     """(variant, TFLOP per step per rank, steps, GPU-h): every rank runs the measured step."""
-    tc = cfg["drafters"]["train"]
+    tc = cfg.drafters.train
     out = []
     for r in rows:
         if r.rule in ("train_drafter", "train_drafter_group"):
-            flops = r.tflop_per * 1e12 * tc["num_processes"] * tc["max_steps"]
-            out.append((r.what, r.tflop_per, tc["max_steps"], flops / (mfu * peak_tflops * 1e12) / 3600))
+            flops = r.tflop_per * 1e12 * tc.num_processes * tc.max_steps
+            out.append((r.what, r.tflop_per, tc.max_steps, flops / (mfu * peak_tflops * 1e12) / 3600))
     return out
 
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--e2e-modes", nargs="+", choices=("chain", "tree"), default=["chain", "tree"])
     ap.add_argument("--gpu-gb", type=float, default=GPU_GB)
     args = ap.parse_args(argv)
-    cfg = read_config(args.config)
+    cfg = typed_config(args.config)
     start = time.perf_counter()
     ps = PaperShapes(cfg)
     rows = measure(ps, args.variants or ps.variants(), tuple(args.only), args.e2e_tokens, tuple(args.e2e_modes))

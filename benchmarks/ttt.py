@@ -36,11 +36,12 @@ from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdp
 
 from kvshot.capture.features import open_features
 from kvshot.capture.target import build_target, load_target, target_forward
-from kvshot.config import read_config, runtime
+from kvshot.config import runtime, typed_config
 from kvshot.drafters.skeleton import Attention
 from kvshot.drafters.unroll import TTTUnroll, label_positions, reference_unroll, shift
 from kvshot.train.objective import step_losses, target_labels, weighted_loss
 from kvshot.train.variants import build_variant
+from kvshot.settings import Config
 
 SPEEDUP_TARGET, PEAK_SHARE_TARGET = 2.0, 0.40
 
@@ -151,7 +152,7 @@ def matmul_peak(n: int = 1024, iters: int = 10) -> float:
     return 2 * n ** 3 * iters / (time.perf_counter() - start)
 
 
-def benchmark_batches(cfg: dict, results: Path, n_batches: int, batch_size: int, max_len: int):
+def benchmark_batches(cfg: Config, results: Path, n_batches: int, batch_size: int, max_len: int):
     """The trained target and the trainer's first batches of the captured train features
     (real loss masks: user turns carry no label), truncated as the trainer does; without a
     default run, a random target and random tokens with every position labelled."""
@@ -159,12 +160,12 @@ def benchmark_batches(cfg: dict, results: Path, n_batches: int, batch_size: int,
     if (feats / "index.json").exists() and (results / "target/model").exists():
         target = load_target(results / "target/model", runtime(cfg)).eval().requires_grad_(False)
         src = open_features(feats)
-        order = torch.randperm(len(src), generator=torch.Generator().manual_seed(cfg["seed"] * 1_000_003)).tolist()
+        order = torch.randperm(len(src), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003)).tolist()
         batches = [{k: t[:, :max_len] for k, t in src.batch(order[i * batch_size: (i + 1) * batch_size]).items()}
                    for i in range(n_batches)]
         return target, batches, f"the trainer's first {n_batches} batches of {feats}"
-    vocab = cfg["tokenizer"]["vocab_size"]
-    target = build_target(cfg["target"]["arch"], vocab, 0).eval().requires_grad_(False)
+    vocab = cfg.tokenizer.vocab_size
+    target = build_target(cfg.target.arch, vocab, 0).eval().requires_grad_(False)
     n_layers = target.config.num_hidden_layers
     batches = []
     for _ in range(n_batches):
@@ -185,12 +186,12 @@ def main() -> int:
     ap.add_argument("--results", default="results", help="a default run's results: its target and a real batch")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's)")
     args = ap.parse_args()
-    cfg = read_config(args.config or ["config/config.yaml"])
+    cfg = typed_config(args.config or ["config/config.yaml"])
     rt = runtime(cfg)
     torch.manual_seed(0)
-    tc, dcfg = cfg["drafters"]["train"], cfg["drafters"]
-    steps, decay = dcfg["ttt_steps"], dcfg["step_decay"]
-    target, batches, source = benchmark_batches(cfg, Path(args.results), args.batches, tc["batch_size"], tc["max_len"])
+    tc, dcfg = cfg.drafters.train, cfg.drafters
+    steps, decay = dcfg.ttt_steps, dcfg.step_decay
+    target, batches, source = benchmark_batches(cfg, Path(args.results), args.batches, tc.batch_size, tc.max_len)
     batch = batches[0]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -199,8 +200,8 @@ def main() -> int:
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     peaks = []   # measured beside every timed batch: the machine's speed drifts within minutes
     rows = []
-    for v in dcfg["variants"]:
-        d2t = torch.arange(vocab if v["paradigm"] == "standalone" else min(dcfg["draft_vocab_size"], vocab))
+    for v in dcfg.variants:
+        d2t = torch.arange(vocab if v.paradigm == "standalone" else min(dcfg.draft_vocab_size, vocab))
         model = build_variant(v, target.config, target.model.embed_tokens.weight, d2t)
         # same loss and gradients first
         model.zero_grad()
@@ -228,7 +229,7 @@ def main() -> int:
             flops[fn] = fc.get_total_flops()
         rate, ref_rate, beside_peak = flops[ours_loss] / t_ours, flops[reference_loss] / t_ref, statistics.median(beside)
         # speedup = (the reference's flops / ours) x (our flop rate / the reference's)
-        rows.append({"variant": v["name"], "same_loss_and_grads": bool(same), "ours_tokens_per_s": tokens / t_ours,
+        rows.append({"variant": v.name, "same_loss_and_grads": bool(same), "ours_tokens_per_s": tokens / t_ours,
                      "reference_tokens_per_s": tokens / t_ref, "speedup": t_ref / t_ours, "gflops": rate / 1e9,
                      "reference_gflops": ref_rate / 1e9, "work_ratio": flops[reference_loss] / flops[ours_loss],
                      "matmul_peak_gflops": beside_peak / 1e9,   # each variant against the peak beside its own timings
@@ -237,7 +238,7 @@ def main() -> int:
         b["attention_mask"].numel() for b in batches)
     peak = statistics.median(peaks)
     ok = all(r["same_loss_and_grads"] and r["speedup"] >= SPEEDUP_TARGET for r in rows) and all(
-        r["peak_share"] >= PEAK_SHARE_TARGET for r, v in zip(rows, dcfg["variants"]) if v["paradigm"] == "hidden")
+        r["peak_share"] >= PEAK_SHARE_TARGET for r, v in zip(rows, dcfg.variants) if v.paradigm == "hidden")
     out = {"batch": source, "labelled_share": labelled, "matmul_peak_gflops": peak / 1e9,
            "matmul_peak_gflops_measured": [p / 1e9 for p in peaks], "tokens": tokens, "batches": len(batches), "threads": torch.get_num_threads(),
            "device": rt.device, "rows": rows}
@@ -255,7 +256,7 @@ def main() -> int:
               f"{r['reference_peak_share']:12.1%} {r['work_ratio']:15.2f}")
     print("speedup vs reference: " + ", ".join(f"{r['variant']} {r['speedup']:.2f}x" for r in rows)
           + f" (target >= {SPEEDUP_TARGET}x); hidden-only at "
-          + ", ".join(f"{r['peak_share']:.0%}" for r, v in zip(rows, dcfg["variants"]) if v["paradigm"] == "hidden")
+          + ", ".join(f"{r['peak_share']:.0%}" for r, v in zip(rows, dcfg.variants) if v.paradigm == "hidden")
           + f" of matmul peak (target >= {PEAK_SHARE_TARGET:.0%})  {'OK' if ok else 'MISSED'}")
     return 0 if ok else 1
 

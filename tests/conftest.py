@@ -45,7 +45,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def tiny_config() -> dict:
-    """The smoke config with the schema's defaults filled, as every stage receives it."""
+    """The smoke config with the schema's defaults filled, as a dict tests may change; `typed`
+    makes it the typed config every stage receives."""
     from kvshot.config import fill_defaults, merge
 
     base = yaml.safe_load((REPO / "config/config.yaml").read_text())
@@ -53,6 +54,33 @@ def tiny_config() -> dict:
     cfg = merge(base, smoke)
     cfg["target"]["pretrain"]["max_steps"] = 3
     return fill_defaults(cfg)
+
+
+def typed(cfg: dict):
+    """A config dict (changed by a test) as the stages take it: defaults filled, typed once."""
+    import copy
+
+    from kvshot.config import fill_defaults
+    from kvshot.settings import Config
+
+    return Config.from_dict(fill_defaults(copy.deepcopy(cfg)))
+
+
+def variant(**fields):
+    """A drafters.variants entry as the typed config holds it (what it leaves out: None)."""
+    from kvshot.settings import VariantSettings
+
+    return section(VariantSettings, fields)
+
+
+def section(cls, value):
+    """`value`, a config section as plain data (or already typed), as the settings class `cls`:
+    `section(GGUFFile, {...})`; a list: a tuple of them."""
+    from kvshot.settings import build
+
+    if isinstance(value, list):
+        return tuple(section(cls, v) for v in value)
+    return build(cls, value) if isinstance(value, dict) else value
 
 
 @pytest.fixture(scope="session")
@@ -78,9 +106,9 @@ def tiny(tmp_path_factory):
     cfg = tiny_config()
     train = write_jsonl(root / "data/train.jsonl", synthetic_conversations(40, seed=1))
     evals = write_jsonl(root / "data/eval.jsonl", synthetic_conversations(8, seed=2))
-    build_tokenizer(cfg["tokenizer"], train, root / "tokenizer")
-    rt = runtime(cfg)
-    run_target_stage(cfg, rt, str(train), str(evals), str(root / "tokenizer"), str(root / "model"),
+    build_tokenizer(typed(cfg).tokenizer, train, root / "tokenizer")
+    rt = runtime(typed(cfg))
+    run_target_stage(typed(cfg), rt, str(train), str(evals), str(root / "tokenizer"), str(root / "model"),
                      str(root / "metrics.json"))
     return {"root": root, "cfg": cfg, "rt": rt, "train": train, "eval": evals,
             "tokenizer": root / "tokenizer", "model": root / "model", "metrics": root / "metrics.json"}
@@ -94,7 +122,7 @@ def tiny_features(tiny):
     out = {}
     for split in ("train", "eval"):
         out[split] = tiny["root"] / "features" / split
-        capture_split(tiny["cfg"], tiny["rt"], str(tiny[split]), str(tiny["model"]), str(out[split]))
+        capture_split(typed(tiny["cfg"]), tiny["rt"], str(tiny[split]), str(tiny["model"]), str(out[split]))
     return out
 
 
@@ -126,17 +154,18 @@ def assert_gradient_reaches_every_parameter(model, batch: dict, target, steps: i
     assert not model.embed_tokens.weight.requires_grad
 
 
-def build_test_drafter(world, variant: dict, seed: int = 0):
-    """A fresh drafter for `variant` from `drafter_world` (a standalone one starts from the
+def build_test_drafter(world, entry: dict, seed: int = 0):
+    """A fresh drafter for the variant `entry` (a drafters.variants dict) from `drafter_world` (a standalone one starts from the
     target's layers), in eval mode. Its 1-D parameters (fresh norms at 1, gates at their init)
     get a little noise, so that every path matters to the output."""
     import torch
 
+    from kvshot.settings import VariantSettings
     from kvshot.train.variants import build_variant
 
     src, target, d2t = world
     torch.manual_seed(seed)
-    model = build_variant(variant, target.config, target.model.embed_tokens.weight.detach(), d2t, target)
+    model = build_variant(section(VariantSettings, entry), target.config, target.model.embed_tokens.weight.detach(), d2t, target)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad and p.dim() == 1:
@@ -163,7 +192,7 @@ def tiny_llama(tiny):
     cfg = copy.deepcopy(tiny["cfg"])
     cfg["target"]["arch"] = dict(LLAMA_ARCH)
     validate_config(cfg, ["<tiny_llama>"])
-    run_target_stage(cfg, tiny["rt"], str(tiny["train"]), str(tiny["eval"]), str(tiny["tokenizer"]),
+    run_target_stage(typed(cfg), tiny["rt"], str(tiny["train"]), str(tiny["eval"]), str(tiny["tokenizer"]),
                      str(root / "model"), str(root / "metrics.json"))
     return {**tiny, "root": root, "cfg": cfg, "model": root / "model", "metrics": root / "metrics.json"}
 
@@ -175,6 +204,6 @@ def tiny_llama_features(tiny_llama):
     out = {}
     for split in ("train", "eval"):
         out[split] = tiny_llama["root"] / "features" / split
-        capture_split(tiny_llama["cfg"], tiny_llama["rt"], str(tiny_llama[split]), str(tiny_llama["model"]),
+        capture_split(typed(tiny_llama["cfg"]), tiny_llama["rt"], str(tiny_llama[split]), str(tiny_llama["model"]),
                       str(out[split]))
     return out

@@ -6,11 +6,12 @@ import errno
 import json
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from .config import ConfigError, fill_defaults, read_config, runtime
+from .config import ConfigError, fill_defaults, runtime, typed_config
+from .settings import Config
 from kvshot.core.gguf import GGUFError
 from kvshot.core.io import DataError
 from kvshot.core.progress import quiet_library_bars
@@ -19,9 +20,9 @@ from kvshot.core.progress import quiet_library_bars
 def _cmd_prepare_data(args, cfg) -> dict:
     from kvshot.data.sources import prepare_data
 
-    d = cfg["data"]
-    n_train = args.train_samples if args.train_samples is not None else d["train_samples"]
-    return prepare_data(d["sources"], n_train, d["eval_samples"], cfg["seed"], args.out, val_samples=d.get("val_samples"))
+    d = cfg.data
+    n_train = args.train_samples if args.train_samples is not None else d.train_samples
+    return prepare_data(d.sources, n_train, d.eval_samples, cfg.seed, args.out, val_samples=d.val_samples)
 
 
 def _cmd_regenerate_data(args, cfg) -> dict:
@@ -33,7 +34,7 @@ def _cmd_regenerate_data(args, cfg) -> dict:
 def _cmd_train_tokenizer(args, cfg) -> dict:
     from kvshot.data.tokenizer import build_tokenizer
 
-    return build_tokenizer(cfg["tokenizer"], args.train, args.out)
+    return build_tokenizer(cfg.tokenizer, args.train, args.out)
 
 
 def _cmd_target(args, cfg) -> dict:
@@ -53,7 +54,7 @@ def _cmd_train_drafter(args, cfg) -> dict:
     from kvshot.train.loop import STOP_EXIT_CODE, StoppedForRuntime, train_variant
 
     if args.seed is not None:
-        cfg["seed"] = args.seed
+        cfg = replace(cfg, seed=args.seed)
     if len(args.variant) > 1:   # a group (drafters.group_training): one stream of batches for all
         from kvshot.train.group import train_group
 
@@ -63,13 +64,13 @@ def _cmd_train_drafter(args, cfg) -> dict:
             ms = train_group(cfg, runtime(cfg), names, args.train_features, args.eval_features, args.target,
                              [str(Path(args.out) / n) for n in names], args.runtime_minutes,
                              val_dir=args.val_features,
-                             ckpt_dirs=[str(Path(root) / n / f"seed{cfg['seed']}.ckpt") for n in names])
+                             ckpt_dirs=[str(Path(root) / n / f"seed{cfg.seed}.ckpt") for n in names])
         except StoppedForRuntime:
             sys.exit(STOP_EXIT_CODE)
         return {n: {k: m.get(k) for k in ("steps", "stopped_by", "train_seconds")} for n, m in ms.items()}
     (name,) = args.variant
-    entry = next((v for v in cfg["drafters"]["variants"] if v["name"] == name), {})
-    if entry.get("weights"):   # a published head (variant `weights:`): imported, not trained
+    entry = next((v for v in cfg.drafters.variants if v.name == name), None)
+    if entry is not None and entry.weights:   # a published head (variant `weights:`): imported, not trained
         from kvshot.interop.published import import_variant
 
         return import_variant(cfg, name, args.target, args.train_features, args.out)
@@ -85,8 +86,8 @@ def _cmd_export(args, cfg) -> dict:
     from kvshot.interop.export import export_eagle3
 
     # the features' aux layers; None: EAGLE-3's default for the target's depth (with --target)
-    features = cfg["features"] if cfg else fill_defaults({"features": {"aux_layers": None}})["features"]
-    aux, rule = features["aux_layers"], features["aux_rule"]
+    features = cfg.features if cfg else Config.from_dict(fill_defaults({"features": {"aux_layers": None}})).features
+    aux, rule = features.aux_layers, features.aux_rule
     return export_eagle3(args.drafter, args.out, args.target, aux, args.dtype, aux_rule=rule)
 
 
@@ -136,7 +137,7 @@ def _cmd_e2e_timing(args, cfg) -> dict:
 def _cmd_report(args, cfg) -> dict:
     from .report import run_report
 
-    names = [v["name"] for v in cfg["drafters"]["variants"]]
+    names = [v.name for v in cfg.drafters.variants]
     return run_report(args.results, names, args.tables, args.figures, args.claims_md, args.claims_json,
                       with_benchmarks=args.benchmarks)
 
@@ -144,20 +145,20 @@ def _cmd_report(args, cfg) -> dict:
 def _cmd_scaling_report(args, cfg) -> dict:
     from .report import run_scaling_report
 
-    return run_scaling_report(args.results, cfg["scaling"]["train_samples"], cfg["scaling"]["variants"],
+    return run_scaling_report(args.results, list(cfg.scaling.train_samples), list(cfg.scaling.variants),
                               args.figure, args.table)
 
 
 def _cmd_blockwise_report(args, cfg) -> dict:
     from .report.blockwise import run_blockwise_report
 
-    block = [v["name"] for v in cfg["blockwise"]["variants"]] if "blockwise" in cfg else []
+    block = [v.name for v in cfg.blockwise.variants] if cfg.blockwise else []
     if not block:
         raise ConfigError("config: blockwise.variants: no block variants to report on")
-    chains = [v["name"] for v in cfg["drafters"]["variants"] if v["paradigm"] == "kv"]
-    remedies = [v["name"] for v in cfg["blockwise"].get("remedies") or []]
-    hybrids = [v["name"] for v in cfg["drafters"]["variants"] if v["paradigm"] == "hybrid"]
-    main = [v["name"] for v in cfg["drafters"]["variants"]]
+    chains = [v.name for v in cfg.drafters.variants if v.paradigm == "kv"]
+    remedies = [v.name for v in cfg.blockwise.remedies or ()]
+    hybrids = [v.name for v in cfg.drafters.variants if v.paradigm == "hybrid"]
+    main = [v.name for v in cfg.drafters.variants]
     return run_blockwise_report(args.results, block, chains, args.figure, args.table, args.claims_md, args.claims_json,
                                 remedies, hybrids, main, args.decay_figure, args.depth_figure)
 
@@ -167,27 +168,27 @@ def _cmd_drift_report(args, cfg) -> dict:
 
     from .checks import drift_name_problems
 
-    drift = cfg.get("drift")
-    if not drift or not drift["variants"]:
+    drift = cfg.drift
+    if not drift or not drift.variants:
         raise ConfigError("config: drift.variants: no EAGLE-3.1 variants to report on")
-    for path, problem in drift_name_problems(cfg)[:1]:
+    for path, problem in drift_name_problems(cfg.to_dict())[:1]:   # the config checks read plain data
         raise ConfigError(f"config: {'.'.join(path)}: {problem}")
-    return run_drift_report(args.results, [v["name"] for v in drift["variants"]], list(drift["compare"] or []),
-                            list(drift["blocks"]), args.figure, args.table, args.claims_md, args.claims_json)
+    return run_drift_report(args.results, [v.name for v in drift.variants], list(drift.compare or ()),
+                            list(drift.blocks), args.figure, args.table, args.claims_md, args.claims_json)
 
 
 def _cmd_published_table(args, cfg) -> dict:
     from .report.published import published_table
 
-    if not cfg.get("published") or not cfg["published"]["heads"]:
+    if not cfg.published or not cfg.published.heads:
         raise ConfigError("config: published.heads: no published heads to tabulate")
-    return published_table(cfg["published"], args.results, args.table)
+    return published_table(cfg.published, args.results, args.table)
 
 
 def _cmd_readme(args, cfg) -> dict:
     from .report import update_readme
 
-    update_readme(args.results, [v["name"] for v in cfg["drafters"]["variants"]], args.readme, args.image)
+    update_readme(args.results, [v.name for v in cfg.drafters.variants], args.readme, args.image)
     return {"readme": args.readme, "image": args.image}
 
 
@@ -196,7 +197,7 @@ class Stage:
     """One `python -m kvshot <stage>`: what it runs, the config sections it validates, its line in
     --help, the path flags it requires (described in PATH_HELP) and its other arguments."""
 
-    run: Callable[[argparse.Namespace, dict], dict]
+    run: Callable[[argparse.Namespace, Config | None], dict]
     sections: tuple[str, ...]
     help: str
     paths: tuple[str, ...] = ()
@@ -390,9 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet_library_bars()   # under Snakemake stderr is a log file: no tqdm redraws from transformers/hub
     stage = STAGES[args.stage]
     try:
-        cfg = read_config(args.config, stage.sections) if args.config else {}   # export/import: config optional
-        if args.threads is not None:
-            cfg["threads"] = args.threads
+        cfg = typed_config(args.config, stage.sections) if args.config else None   # export/import: config optional
+        if cfg is not None and args.threads is not None:
+            cfg = replace(cfg, threads=args.threads)
         summary = stage.run(args, cfg)
     except (ConfigError, DataError, FileNotFoundError, GGUFError) as exc:
         print(f"kvshot {args.stage}: error: {exc}", file=sys.stderr)

@@ -89,11 +89,10 @@ def all_variants(cfg: dict) -> list[tuple[list[str], dict]]:
 GROUP_SHARED = ("batch_size", "max_len", "length_grouping", "train_samples")
 
 
-def training_groups(cfg: dict, names: list[str]) -> list[list[str]]:
-    """The groups of `names` that train side by side (drafters.group_training), each in the
-    order of `names` and of two or more members (a group of one is a drafter alone): true puts
+def training_groups(setting, names: list[str]) -> list[list[str]]:
+    """The groups of `names` that train side by side (`setting`: drafters.group_training), each in
+    the order of `names` and of two or more members (a group of one is a drafter alone): true puts
     all of `names` in one group; a list, each listed group's members among `names`."""
-    setting = (cfg.get("drafters") or {}).get("group_training") or False
     listed = [list(names)] if setting is True else list(setting or [])
     groups = [[n for n in names if n in g] for g in listed]
     return [g for g in groups if len(g) > 1]

@@ -1,5 +1,6 @@
 """The pipeline config: merged, validated against the JSON schema, and filled with the schema's
-defaults (`fill_defaults`), the only place a default lives: stages read the filled config.
+defaults (`fill_defaults`), the only place a default lives; the stages take it typed
+(`typed_config`: kvshot.settings.Config, frozen dataclasses).
 
 The same schema checks the config when Snakemake starts (Snakefile) and when a
 stage is run by hand (`python -m kvshot ...`), so bad config fails in one line
@@ -20,6 +21,7 @@ import yaml
 from kvshot.core import taps
 
 from .checks import check_consistency
+from .settings import Config, FeaturesSettings
 
 SECTIONS = ("data", "tokenizer", "target", "features", "drafters", "eval", "scaling")
 GLOBALS = ("seed", "device", "dtype", "threads")
@@ -153,7 +155,8 @@ def merge(base: dict, overlay: dict) -> dict:
 
 
 def read_config(specs: list[str], sections: tuple[str, ...] | None = None) -> dict:
-    """Merge config files (or inline JSON strings) in order and validate the result."""
+    """Merge config files (or inline JSON strings) in order and validate the result, filled with
+    the schema's defaults (`typed_config` is the stages' typed view of it)."""
     cfg: dict = {}
     for spec in specs:
         if spec.lstrip().startswith("{"):
@@ -174,6 +177,11 @@ def read_config(specs: list[str], sections: tuple[str, ...] | None = None) -> di
         cfg = merge(cfg, part)
     validate_config(cfg, specs, sections)
     return fill_defaults(cfg)
+
+
+def typed_config(specs: list[str], sections: tuple[str, ...] | None = None) -> Config:
+    """`read_config` as the typed config the stages take (kvshot.settings)."""
+    return Config.from_dict(read_config(specs, sections))
 
 
 def fill_defaults(cfg: dict, schema: dict | None = None) -> dict:
@@ -271,22 +279,22 @@ def retain_freed_memory() -> bool:
     return bool(mallopt(m_trim_threshold, 1 << 30)) and bool(mallopt(m_mmap_threshold, 32 << 20))
 
 
-def runtime(cfg: dict) -> Runtime:
+def runtime(cfg: Config) -> Runtime:
     import torch
 
-    device = cfg["device"]
+    device = cfg.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("config: device: 'cuda' requested but no CUDA device is available")
-    dtype = cfg["dtype"]
+    dtype = cfg.dtype
     if dtype == "auto":
         # bf16 matmul on CPU is ~400x slower than fp32 here.
         dtype = "bfloat16" if device == "cuda" else "float32"
-    torch.set_num_threads(int(cfg["threads"]))
+    torch.set_num_threads(int(cfg.threads))
     if device == "cpu":
         retain_freed_memory()
-    return Runtime(device=device, dtype=dtype, threads=int(cfg["threads"]), seed=int(cfg["seed"]))
+    return Runtime(device=device, dtype=dtype, threads=int(cfg.threads), seed=int(cfg.seed))
 
 
 @dataclass(frozen=True)
@@ -309,16 +317,16 @@ def default_aux_layers(num_layers: int, rule: str = "relative") -> tuple[int, in
 eagle3_aux_layers = taps.eagle3_aux_layers
 
 
-def feature_spec(features_cfg: dict, num_layers: int) -> FeatureSpec:
-    aux = features_cfg["aux_layers"]
-    aux = tuple(aux) if aux is not None else default_aux_layers(num_layers, features_cfg["aux_rule"])
+def feature_spec(features: FeaturesSettings, num_layers: int) -> FeatureSpec:
+    aux = features.aux_layers
+    aux = tuple(aux) if aux is not None else default_aux_layers(num_layers, features.aux_rule)
     if any(not 0 < a <= num_layers for a in aux):
         raise ConfigError(f"config: features.aux_layers: {list(aux)} outside 1..{num_layers} for a {num_layers}-layer target")
     if len(set(aux)) != 3:
         raise ConfigError(f"config: features.aux_layers: {list(aux)} are not three distinct layers "
                           f"(set them explicitly for a {num_layers}-layer target)")
-    kv = features_cfg["kv_layers"]
+    kv = features.kv_layers
     kv = tuple(range(num_layers)) if kv == "all" else tuple(kv)
     if any(not 0 <= k < num_layers for k in kv):
         raise ConfigError(f"config: features.kv_layers: {list(kv)} outside 0..{num_layers - 1}")
-    return FeatureSpec(aux_layers=aux, kv_layers=kv, dtype=features_cfg["dtype"])
+    return FeatureSpec(aux_layers=aux, kv_layers=kv, dtype=features.dtype)

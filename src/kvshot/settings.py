@@ -372,6 +372,16 @@ class Config:
     def to_dict(self) -> dict:
         return to_dict(self)
 
+    def all_variants(self) -> tuple[VariantSettings, ...]:
+        """Every drafter variant: drafters.variants, then the block-wise target's blockwise.variants
+        and blockwise.remedies, the drift target's drift.variants (kvshot.checks.all_variants' order)."""
+        out = tuple(self.drafters.variants) if self.drafters else ()
+        if self.blockwise:
+            out += self.blockwise.variants + (self.blockwise.remedies or ())
+        if self.drift:
+            out += self.drift.variants
+        return out
+
 
 # ---------------------------------------------------------------- dict <-> dataclasses
 

@@ -18,7 +18,9 @@ from safetensors.torch import load_file
 from kvshot.train.launch import accelerate_args
 from kvshot.train.loop import STOP_EXIT_CODE, train_variant
 
-from ..conftest import REPO
+from ..conftest import REPO, typed
+from kvshot.settings import Config, build
+from kvshot.train.variants import Variant
 
 VARIANT = "kv1"
 # the 2-process run and the rerun differ only in what the fingerprint leaves out
@@ -36,7 +38,7 @@ def world_cfg(tiny, **train) -> dict:
 
 
 def run(tiny, feats, cfg, out):
-    return train_variant(cfg, tiny["rt"], VARIANT, str(feats["train"]), str(feats["eval"]), str(tiny["model"]),
+    return train_variant(typed(cfg), tiny["rt"], VARIANT, str(feats["train"]), str(feats["eval"]), str(tiny["model"]),
                          str(out))
 
 
@@ -95,7 +97,8 @@ def test_the_fingerprint_keeps_what_changes_the_trained_model(monkeypatch, tmp_p
 
     def fp(seed=0, data="train", **changes):
         v = {"name": "kv-d1", "paradigm": "kv", "layers": 1, "train": {**train, **changes}}
-        return ck.fingerprint(v, {**cfg, "seed": seed}, Rt, data, "eval", "target", "val")
+        # the typed config as the trainer holds it (what the dicts leave out: None)
+        return ck.fingerprint(build(Variant, v), build(Config, {**cfg, "seed": seed}), Rt, data, "eval", "target", "val")
 
     base = fp()
     assert fp(num_processes=4, log_every=1, ckpt_every=7, max_minutes=90, stop_margin_minutes=1,

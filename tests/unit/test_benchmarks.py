@@ -11,6 +11,8 @@ import pytest
 from kvshot.core.io import DataError
 from kvshot.data.chat import IM_START
 from kvshot.data.sources import normalize_record
+from ..conftest import typed, section
+from kvshot.settings import BenchmarkSet
 
 
 def test_humaneval_loader_reads_the_packaged_file_through_the_chat_template(tiny):
@@ -20,7 +22,7 @@ def test_humaneval_loader_reads_the_packaged_file_through_the_chat_template(tiny
     problems = humaneval_problems()
     assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
     tok = load_tokenizer(str(tiny["tokenizer"]))
-    prompts = benchmark_prompts({"name": "humaneval", "kind": "humaneval_package"}, str(tiny["eval"]), 3, tok, 4096)
+    prompts = benchmark_prompts(section(BenchmarkSet, {"name": "humaneval", "kind": "humaneval_package"}), str(tiny["eval"]), 3, tok, 4096)
     assert len(prompts) == 3
     text = tok.decode(prompts[0])
     # the user's turn holds the problem's signature and docstring; the assistant header follows
@@ -31,11 +33,11 @@ def test_humaneval_loader_reads_the_packaged_file_through_the_chat_template(tiny
 def test_heldout_benchmark_is_the_eval_splits_first_user_turns(tiny):
     from kvshot.evaluate.benchmarks import benchmark_conversations
 
-    convs = benchmark_conversations({"name": "sharegpt", "kind": "heldout"}, str(tiny["eval"]), 2)
+    convs = benchmark_conversations(section(BenchmarkSet, {"name": "sharegpt", "kind": "heldout"}), str(tiny["eval"]), 2)
     first = [json.loads(line)["messages"] for line in tiny["eval"].read_text().splitlines()[:2]]
     assert convs == first
     with pytest.raises(DataError, match="unknown kind"):
-        benchmark_conversations({"name": "x", "kind": "nope"}, str(tiny["eval"]), 2)
+        benchmark_conversations(section(BenchmarkSet, {"name": "x", "kind": "nope"}), str(tiny["eval"]), 2)
 
 
 def test_prompt_only_schemas_make_one_user_message():
@@ -60,7 +62,7 @@ def bench_run(tiny, tiny_features, tmp_path_factory):
     for seed in (0, 1):
         cfg["seed"] = seed
         out = root / "drafters" / "hybrid" / f"seed{seed}"
-        train_variant(cfg, runtime(cfg), "hybrid", str(tiny_features["train"]), str(tiny_features["eval"]),
+        train_variant(typed(cfg), runtime(typed(cfg)), "hybrid", str(tiny_features["train"]), str(tiny_features["eval"]),
                       str(tiny["model"]), str(out))
         dirs.append(str(out))
     cfg["seed"] = 0
@@ -72,7 +74,7 @@ def bench_run(tiny, tiny_features, tmp_path_factory):
     outs = []
     for k in range(2):
         out = root / "eval" / "hybrid" / ("benchmarks.json" if k == 0 else "rerun.json")
-        run_benchmarks_stage(cfg, tiny["rt"], dirs, str(tiny["model"]), str(tiny["eval"]), index, str(out))
+        run_benchmarks_stage(typed(cfg), tiny["rt"], dirs, str(tiny["model"]), str(tiny["eval"]), index, str(out))
         outs.append(json.loads(out.read_text()))
     return {"root": root, "records": outs, "cfg": cfg}
 
@@ -133,8 +135,9 @@ def test_table_has_benchmark_columns_and_temperature_row_groups(bench_run, tmp_p
 LOAD_PAPER_SETS = """
 import json, sys, yaml
 from kvshot.evaluate.benchmarks import benchmark_conversations
+from kvshot.settings import BenchmarkSet, build
 sets = yaml.safe_load(open(sys.argv[1]))["eval"]["e2e"]["benchmarks"]["sets"]
-print(json.dumps({b["name"]: benchmark_conversations(b, "unused.jsonl", 3) for b in sets}))
+print(json.dumps({b["name"]: benchmark_conversations(build(BenchmarkSet, b), "unused.jsonl", 3) for b in sets}))
 """
 
 

@@ -6,6 +6,7 @@ runs the objective (checkpoints, metrics) end to end."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 import math
 
 import pytest
@@ -19,6 +20,8 @@ from kvshot.train.variants import param_groups
 
 from ..conftest import build_test_drafter
 from .test_train import die_at_call
+from ..conftest import typed, section
+from kvshot.settings import VariantSettings
 
 S = 5            # block slots: x_{t+1} and four masks
 P = S - 1        # positions predicted
@@ -303,16 +306,17 @@ def test_objective_and_default_block_size(tiny):
 
     cfg = copy.deepcopy(tiny["cfg"])
     cfg["blockwise"] = {"variants": [{"name": "bk", "paradigm": "block", "context": "kv", "layers": 1}]}
-    v = variant_config(cfg, "bk")
-    assert v["block_size"] == cfg["drafters"]["ttt_steps"] + 1
+    v = variant_config(typed(cfg), "bk")
+    assert v.block_size == cfg["drafters"]["ttt_steps"] + 1
 
     class Fake:
         block_wise, positions = True, 7
-    assert objective(Fake(), cfg["drafters"]) == (7, 1.0)
-    assert objective(Fake(), {**cfg["drafters"], "block_position_decay": 0.8}) == (7, 0.8)
-    assert objective(Fake(), cfg["drafters"], {"position_decay": 0.8}) == (7, 0.8)   # the variant's own wins
-    assert objective(Fake(), {**cfg["drafters"], "block_position_decay": 0.5}, {"position_decay": 0.8}) == (7, 0.8)
-    assert objective(object(), cfg["drafters"]) == (cfg["drafters"]["ttt_steps"], cfg["drafters"]["step_decay"])
+    dcfg, own = typed(cfg).drafters, section(VariantSettings, {"position_decay": 0.8})
+    assert objective(Fake(), dcfg) == (7, 1.0)
+    assert objective(Fake(), replace(dcfg, block_position_decay=0.8)) == (7, 0.8)
+    assert objective(Fake(), dcfg, own) == (7, 0.8)   # the variant's own wins
+    assert objective(Fake(), replace(dcfg, block_position_decay=0.5), own) == (7, 0.8)
+    assert objective(object(), dcfg) == (dcfg.ttt_steps, dcfg.step_decay)
 
 
 # ---------------------------------------------------------------- the trainer
@@ -343,7 +347,7 @@ def test_trainer_runs_the_block_objective_and_resumes_bit_identically(tiny, tiny
     K = cfg["drafters"]["ttt_steps"]
 
     def run(out):
-        return train_mod.train_variant(cfg, tiny["rt"], name, str(tiny_features["train"]), str(tiny_features["eval"]),
+        return train_mod.train_variant(typed(cfg), tiny["rt"], name, str(tiny_features["train"]), str(tiny_features["eval"]),
                                        str(tiny["model"]), str(out))
 
     metrics = run(tmp_path / "whole")

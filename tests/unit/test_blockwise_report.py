@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from .test_blockwise import block_cfg
+from ..conftest import typed
 
 
 def test_stages_run_a_saved_block_drafter(tiny, tiny_features, tmp_path):
@@ -24,20 +25,20 @@ def test_stages_run_a_saved_block_drafter(tiny, tiny_features, tmp_path):
     cfg = block_cfg(tiny, max_steps=4, eval_every=0)
     K = cfg["drafters"]["ttt_steps"]
     out = tmp_path / "drafters/bh1/seed0"
-    train_variant(cfg, tiny["rt"], "bh1", str(tiny_features["train"]), str(tiny_features["eval"]), str(tiny["model"]),
+    train_variant(typed(cfg), tiny["rt"], "bh1", str(tiny_features["train"]), str(tiny_features["eval"]), str(tiny["model"]),
                   str(out))
     model = load_drafter(out, need_embedding=False)
     assert model.paradigm == "block" and model.reads_aux_hidden and model.positions == K
     cont, natural = tmp_path / "continuations.json", tmp_path / "natural.json"
-    run_continuations_stage(cfg, tiny["rt"], str(tiny["eval"]), str(tiny["model"]), str(cont), str(natural))
+    run_continuations_stage(typed(cfg), tiny["rt"], str(tiny["eval"]), str(tiny["model"]), str(cont), str(natural))
     index = str(tiny_features["eval"] / "index.json")
     sw_out, nat_out, e2e_out = tmp_path / "stepwise.json", tmp_path / "stepwise_natural.json", tmp_path / "e2e.json"
-    run_stepwise_stage(cfg, tiny["rt"], [str(out)], str(tiny["model"]), str(cont), index, str(sw_out), str(natural),
+    run_stepwise_stage(typed(cfg), tiny["rt"], [str(out)], str(tiny["model"]), str(cont), index, str(sw_out), str(natural),
                        str(nat_out))
     for path in (sw_out, nat_out):
         sw = json.loads(path.read_text())
         assert sw["paradigm"] == "block" and len(sw["alpha"]) == K and sw["rounds"][0] > 0
-    run_e2e_stage(cfg, tiny["rt"], [str(out)], str(tiny["model"]), str(cont), index, str(e2e_out))
+    run_e2e_stage(typed(cfg), tiny["rt"], [str(out)], str(tiny["model"]), str(cont), index, str(e2e_out))
     e2e = json.loads(e2e_out.read_text())
     assert list(e2e["modes"]) == ["chain"] and e2e["lossless"] and e2e["modes"]["chain"]["rounds"] > 0
 
@@ -196,7 +197,7 @@ def test_kv_warmup_trains_the_hybrids_kv_branch_alone_first(tiny, tiny_features,
     def weights(steps: int) -> dict:
         cfg["drafters"]["train"]["max_steps"] = steps
         out = tmp_path / f"warm{steps}"
-        train_variant(cfg, tiny["rt"], "warm", str(tiny_features["train"]), str(tiny_features["eval"]),
+        train_variant(typed(cfg), tiny["rt"], "warm", str(tiny_features["train"]), str(tiny_features["eval"]),
                       str(tiny["model"]), str(out))
         return load_file(str(out / "model.safetensors"))
 

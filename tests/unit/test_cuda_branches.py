@@ -17,6 +17,7 @@ from kvshot.config import Runtime
 from kvshot.train.loop import setup, train_step
 
 from .test_attention_backends import case, rel_err, run
+from ..conftest import typed
 
 VARIANTS = [   # every paradigm, and both block contexts
     {"name": "eagle3", "paradigm": "hidden", "layers": 1, "qk_norm": False},
@@ -88,7 +89,7 @@ def one_step(tiny, tiny_features, tmp_path, variant: dict, dtype: str, cuda: boo
     saved = dict(attn._BACKEND_FUNCTIONS)
     attn._BACKEND_FUNCTIONS.update(spies)
     try:
-        r = setup(cfg, rt, variant["name"], str(tiny_features["train"]), str(tiny_features["eval"]),
+        r = setup(typed(cfg), rt, variant["name"], str(tiny_features["train"]), str(tiny_features["eval"]),
                   str(tiny["model"]), str(tmp_path / variant["name"]), None, None)
         grads = {}
         r.opt.register_step_pre_hook(lambda opt, args, kwargs: grads.update(

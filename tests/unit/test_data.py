@@ -13,6 +13,8 @@ from kvshot.data import sources as data
 from kvshot.data.chat import CHAT_TEMPLATE, IM_END, render_chat, tokenize_conversation
 from kvshot.data.sources import (LoadStats, iter_hub_dataset, iter_sharegpt_file, load_sources, normalize_record,
                                  prepare_data, read_jsonl, sharegpt_package_path, split_conversations)
+from ..conftest import section
+from kvshot.settings import DataSource
 
 
 def sg(i: int, *turns: tuple[str, str]) -> dict:
@@ -270,16 +272,16 @@ def test_load_sources_mixed(hf_cache, monkeypatch):
     uc = hf_cache / "uc.jsonl"
     uc.write_text("".join(json.dumps(r) + "\n" for r in ultrachat_rows()))
     stats: list[LoadStats] = []
-    convs = load_sources([{"kind": "sharegpt_package"},
+    convs = load_sources(section(DataSource, [{"kind": "sharegpt_package"},
                           {"kind": "sharegpt_file", "path": str(pkg), "max_records": 2},
                           {"kind": "hub", "name": "HuggingFaceH4/ultrachat_200k",
-                           "split": "train_sft", "schema": "ultrachat", "data_files": str(uc)}],
+                           "split": "train_sft", "schema": "ultrachat", "data_files": str(uc)}]),
                          stats)
     assert [(s.read, s.kept) for s in stats] == [(6, 5), (2, 2), (4, 2)]
     assert stats[0].skipped == {"truncated": 1}
     assert len(convs) == 9 and convs[5] == convs[0]
     with pytest.raises(DataError, match="unknown kind"):
-        load_sources([{"kind": "ftp"}], [])
+        load_sources(section(DataSource, [{"kind": "ftp"}]), [])
 
 
 # ---------------------------------------------------------------- split
@@ -457,7 +459,7 @@ def test_prepare_data_writes_atomically(tmp_path, capsys):
     src = write_array(tmp_path / "src.json",
                       [sg(i, ("human", f"q{i}"), ("gpt", "a" * (i % 4 + 1))) for i in range(30)])
     out = tmp_path / "out"
-    stats = prepare_data([{"kind": "sharegpt_file", "path": str(src)}], train_samples=100,
+    stats = prepare_data(section(DataSource, [{"kind": "sharegpt_file", "path": str(src)}]), train_samples=100,
                          eval_samples=5, seed=3, out_dir=out, min_assistant_chars=2, val_samples=4)
     assert sorted(os.listdir(out)) == ["eval.jsonl", "stats.json", "train.jsonl", "val.jsonl"]
     assert json.loads((out / "stats.json").read_text()) == stats
@@ -469,7 +471,7 @@ def test_prepare_data_writes_atomically(tmp_path, capsys):
     assert len(train) == 13 and len(evals) == 5 and len(val) == 4
     ids = [r["id"] for r in train + evals + val]
     assert len(set(ids)) == 22 and all(i.startswith("0:") for i in ids)
-    again = prepare_data([{"kind": "sharegpt_file", "path": str(src)}], 100, 5, 3, tmp_path / "b",
+    again = prepare_data(section(DataSource, [{"kind": "sharegpt_file", "path": str(src)}]), 100, 5, 3, tmp_path / "b",
                          min_assistant_chars=2, val_samples=4)
     assert again == stats and (tmp_path / "b" / "train.jsonl").read_bytes() == \
         (out / "train.jsonl").read_bytes()
@@ -483,7 +485,7 @@ def test_prepare_data_failure_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(data.os, "replace", boom)
     with pytest.raises(OSError):
-        prepare_data([{"kind": "sharegpt_file", "path": str(src)}], 3, 1, 0, tmp_path / "out")
+        prepare_data(section(DataSource, [{"kind": "sharegpt_file", "path": str(src)}]), 3, 1, 0, tmp_path / "out")
     assert os.listdir(tmp_path / "out") == []
 
 
@@ -511,8 +513,8 @@ def test_prepare_data_streams_the_reference_split(tmp_path, monkeypatch):
                {"kind": "sharegpt_file", "path": str(write_array(tmp_path / "b.json", records[40:]))}]
     # many small buckets: order across and inside buckets both matter
     monkeypatch.setattr(data, "RankedWriter", functools.partial(RankedWriter, bucket_size=3))
-    stats = prepare_data(sources, 30, 7, 11, tmp_path / "out", min_assistant_chars=4)
-    items = [{"id": f"{i}:{k}", "messages": m} for i, k, m in data.iter_sources(sources, [])]
+    stats = prepare_data(section(DataSource, sources), 30, 7, 11, tmp_path / "out", min_assistant_chars=4)
+    items = [{"id": f"{i}:{k}", "messages": m} for i, k, m in data.iter_sources(section(DataSource, sources), [])]
     usable = [it for it in items if sum(len(m["content"].strip()) for m in it["messages"][1:]) >= 4]
     parts = split_conversations(usable, 30, 7, seed=11)
     for name, part in parts.items():
@@ -521,7 +523,7 @@ def test_prepare_data_streams_the_reference_split(tmp_path, monkeypatch):
     assert (stats["train"], stats["eval"], stats["val"]) == (30, 7, 7) and sorted(os.listdir(tmp_path / "out")) == [
         "eval.jsonl", "stats.json", "train.jsonl", "val.jsonl"]
     # nested: a smaller train split is a prefix of a larger one, and eval and val do not move
-    prepare_data(sources, 10, 7, 11, tmp_path / "small", min_assistant_chars=4)
+    prepare_data(section(DataSource, sources), 10, 7, 11, tmp_path / "small", min_assistant_chars=4)
     assert read_jsonl(tmp_path / "small/train.jsonl") == parts["train"][:10]
     assert read_jsonl(tmp_path / "small/eval.jsonl") == parts["eval"]
     assert read_jsonl(tmp_path / "small/val.jsonl") == parts["val"]
@@ -558,8 +560,8 @@ def test_prepare_data_removes_duplicates_before_the_split(tmp_path, monkeypatch)
     sources = [{"kind": "sharegpt_file", "path": str(write_array(tmp_path / "a.json", records[:45]))},
                {"kind": "sharegpt_file", "path": str(write_array(tmp_path / "b.json", records[45:] + records[:2]))}]
     monkeypatch.setattr(data, "RankedWriter", functools.partial(RankedWriter, bucket_size=4))
-    stats = prepare_data(sources, 100, 6, 5, tmp_path / "out", val_samples=5)
-    items = [{"id": f"{i}:{k}", "messages": m} for i, k, m in data.iter_sources(sources, [])]
+    stats = prepare_data(section(DataSource, sources), 100, 6, 5, tmp_path / "out", val_samples=5)
+    items = [{"id": f"{i}:{k}", "messages": m} for i, k, m in data.iter_sources(section(DataSource, sources), [])]
     unique, removed = data.dedup_conversations(items)
     assert removed == 14 + 1 + 2 == stats["duplicates_removed"] and stats["available"] == 40 == len(unique)
     # the first copy stays; per source: 5 in a.json (records 40..44), 10 + 2 in b.json
@@ -601,8 +603,8 @@ def test_hub_revision_is_passed(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
-    list(data.iter_sources([{"kind": "hub", "name": "o/n", "split": "s", "schema": "ultrachat",
-                             "revision": "abc123"}], []))
+    list(data.iter_sources(section(DataSource, [{"kind": "hub", "name": "o/n", "split": "s", "schema": "ultrachat",
+                             "revision": "abc123"}]), []))
     assert calls == [(("o/n",), {"split": "s", "revision": "abc123"})]
 
 

@@ -21,6 +21,8 @@ from kvshot.evaluate.draft_tree import (Draft, DraftSpec, draft, sample_without_
                                         verify_greedy, verify_sampling)
 from kvshot.train.objective import step_losses, target_labels, weighted_loss
 from kvshot.train.variants import build_variant, draft_vocab
+from ..conftest import section
+from kvshot.settings import PretrainSettings, VariantSettings
 
 K = 4                                              # chain length and tree depth
 CHAIN = DraftSpec(depth=K)
@@ -85,8 +87,8 @@ def trained_target(fixture: dict):
     tok = load_tokenizer(fixture["tokenizer"])
     target = load_target(fixture["model"], rt, attn="sdpa")
     blocks = pack_blocks(tokenized(read_jsonl(fixture["train"]), tok, 128), tok.pad_token_id, 64)
-    pretrain(target, blocks, {**fixture["cfg"]["target"]["pretrain"], "max_steps": 150, "lr": 1e-2,
-                              "warmup_steps": 5, "max_minutes": 5}, rt)
+    pretrain(target, blocks, section(PretrainSettings, {**fixture["cfg"]["target"]["pretrain"], "max_steps": 150, "lr": 1e-2,
+                              "warmup_steps": 5, "max_minutes": 5}), rt)
     return tok, target.eval().requires_grad_(False)
 
 
@@ -113,7 +115,7 @@ def world(tiny, tiny_features):
     drafters = {}
     for i, (name, v) in enumerate(VARIANTS.items()):
         torch.manual_seed(i)
-        model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), d2t, target)
+        model = build_variant(section(VariantSettings, v), target.config, target.model.embed_tokens.weight.detach(), d2t, target)
         drafters[name] = train_quick(model, batch, head_w, steps=STEPS, lr=LR)
     return {"tok": tok, "target": target, "aux": aux, "prompts": prompts, "drafters": drafters,
             "eos": tok.eos_token_id, "refs": {}, "runs": {}}

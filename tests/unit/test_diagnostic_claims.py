@@ -18,6 +18,7 @@ from kvshot.train.diagnostics import GradientPositions, attention_diagnostics, g
 
 from .test_claims import ALPHAS, NAMES, SPEC, e2e_record, stepwise_record, train_log
 from .test_drafters import K, make
+from ..conftest import typed
 
 
 def write_seed_layout(root, seeds: list[dict]) -> list:
@@ -261,7 +262,7 @@ def test_a_block_and_a_chain_drafter_log_gradient_positions_in_training(tiny, ti
     from .test_train import run, small_cfg
 
     cfg = block_cfg(tiny, max_steps=2, eval_every=0)
-    train_variant(cfg, tiny["rt"], "bk2", str(tiny_features["train"]), str(tiny_features["eval"]), str(tiny["model"]),
+    train_variant(typed(cfg), tiny["rt"], "bk2", str(tiny_features["train"]), str(tiny_features["eval"]), str(tiny["model"]),
                   str(tmp_path / "bk2"))
     run(tiny, tiny_features, small_cfg(tiny, max_steps=2, log_every=1), tmp_path / "kv2", "kv2")
     for name in ("bk2", "kv2"):

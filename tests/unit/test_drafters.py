@@ -13,6 +13,7 @@ from kvshot.train.objective import step_losses, target_labels, weighted_loss
 from kvshot.train.variants import param_groups, variant_config
 
 from ..conftest import assert_gradient_reaches_every_parameter, build_test_drafter
+from ..conftest import typed
 
 K = 4
 VARIANTS = {
@@ -141,8 +142,8 @@ def test_context_excludes_labels(drafter_world):
 def test_variant_config_merges_train_overrides(tiny):
     cfg = copy.deepcopy(tiny["cfg"])
     cfg["drafters"]["variants"][0]["train"] = {"max_steps": 9}
-    v = variant_config(cfg, cfg["drafters"]["variants"][0]["name"])
-    assert v["train"]["max_steps"] == 9 and v["train"]["lr"] == cfg["drafters"]["train"]["lr"]
+    v = variant_config(typed(cfg), cfg["drafters"]["variants"][0]["name"])
+    assert v.train.max_steps == 9 and v.train.lr == cfg["drafters"]["train"]["lr"]
 
 
 @pytest.mark.parametrize("block_rows", [None, 8])
@@ -204,3 +205,22 @@ def test_row_blocks_skip_only_keys_they_cannot_see():
     segmented = prefix_mask(visible, torch.float32, segments=[(0, 100), (100, 300)])
     assert [b[:2] for b in segmented.blocks] == [(0, 100), (100, 300)] and segmented.blocks[0][3] == 100
     torch.testing.assert_close(attn.attend(q, prefix, segmented, diag), attn.attend(q, prefix, whole, diag))
+
+
+def test_variant_record_is_the_filled_config_entry(tiny):
+    """variant.json and the checkpoint fingerprint hash the plain data the filled config dict
+    held before the typed config: the entry as set, drafters' block_size and head_init, and the
+    whole train section with the overrides over it (null fields included), so a checkpoint
+    written before keeps its fingerprint."""
+    from kvshot.config import fill_defaults
+    from kvshot.train.variants import variant_record
+
+    cfg = fill_defaults(copy.deepcopy(tiny["cfg"]))
+    entry = copy.deepcopy(cfg["drafters"]["variants"][0])
+    entry["train"] = {"max_steps": 9, "plateau": {"patience": 2, "min_delta": 0.0, "min_acc_delta": 0.0}}
+    cfg["drafters"]["variants"][0] = entry
+    cfg["drafters"]["train"]["train_samples"] = None   # set null, as config/config.yaml does
+    old = {**entry, "train": {**cfg["drafters"]["train"], **entry["train"]}}
+    if entry["paradigm"] != "standalone":
+        old.setdefault("head_init", cfg["drafters"]["head_init"])
+    assert variant_record(variant_config(typed(cfg), entry["name"])) == old

@@ -15,6 +15,7 @@ from kvshot.report.results import load_variants
 from kvshot.stats.prompt_bootstrap import Interval, crossed_bootstrap, paired_ratio_change, ratio
 
 from .test_claims import E2E, NAMES, e2e_record, write_results
+from ..conftest import typed
 
 
 def e2e_verdict(root) -> dict:
@@ -137,12 +138,12 @@ def pair(tiny, tiny_features, tmp_path_factory):
         for seed in (0, 1):
             cfg["seed"] = seed
             out = root / "drafters" / name / f"seed{seed}"
-            train_variant(cfg, runtime(cfg), name, str(tiny_features["train"]), str(tiny_features["eval"]),
+            train_variant(typed(cfg), runtime(typed(cfg)), name, str(tiny_features["train"]), str(tiny_features["eval"]),
                           str(tiny["model"]), str(out))
             dirs.setdefault(name, []).append(str(out))
     cfg["seed"] = 0
     natural = root / "natural.json"
-    run_continuations_stage(cfg, tiny["rt"], str(tiny["eval"]), str(tiny["model"]), str(root / "cont.json"),
+    run_continuations_stage(typed(cfg), tiny["rt"], str(tiny["eval"]), str(tiny["model"]), str(root / "cont.json"),
                             str(natural))
     return {"cfg": cfg, "dirs": dirs, "natural": natural, "index": str(tiny_features["eval"] / "index.json"),
             "root": root}
@@ -152,7 +153,7 @@ def test_eval_e2e_decodes_natural_prefixes_with_per_prompt_counts(pair, tiny):
     from kvshot.evaluate.e2e import run_e2e_stage
 
     out = pair["root"] / "e2e.json"
-    run_e2e_stage(pair["cfg"], tiny["rt"], pair["dirs"]["hybrid"], str(tiny["model"]), str(pair["natural"]),
+    run_e2e_stage(typed(pair["cfg"]), tiny["rt"], pair["dirs"]["hybrid"], str(tiny["model"]), str(pair["natural"]),
                   pair["index"], str(out))
     e2e = json.loads(out.read_text())
     items = json.loads(pair["natural"].read_text())["items"]

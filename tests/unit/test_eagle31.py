@@ -114,6 +114,8 @@ from kvshot.interop.export import EAGLE3_TENSORS, FormatError, export_eagle3  # 
 from kvshot.train.variants import build_variant  # noqa: E402
 
 from .test_export import K, documented_names, exported_folder, round_trip, saved_drafter, speculators_and_ours, world  # noqa: E402,F401  (world: a fixture)
+from ..conftest import typed, section
+from kvshot.settings import VariantSettings
 
 EAGLE31 = {"name": "eagle3.1", "paradigm": "hidden", "layers": 1, "qk_norm": False, "fc_norm": True,
            "norm_output": True}
@@ -152,7 +154,7 @@ def test_export_writes_the_switches_and_the_fc_norm_names(exported31):
 def test_export_refuses_norm_before_fc(world, tmp_path):
     t = world["target"]
     v = {**EAGLE31, "fc_norm": False, "norm_before_fc": True}
-    build_variant(v, t.config, t.model.embed_tokens.weight.detach(), world["d2t"]).save(tmp_path / "d")
+    build_variant(section(VariantSettings, v), t.config, t.model.embed_tokens.weight.detach(), world["d2t"]).save(tmp_path / "d")
     with pytest.raises(FormatError, match="norm_before_fc") as err:
         export_eagle3(tmp_path / "d", tmp_path / "out")
     assert "\n" not in str(err.value)
@@ -204,7 +206,7 @@ def test_drift_variants_train_evaluate_and_decode_losslessly(tiny, tiny_features
     assert set(entries) == set(SWITCHES)
     index = str(tiny_features["eval"] / "index.json")
     cont = tmp_path / "continuations.json"
-    run_continuations_stage(tiny["cfg"], tiny["rt"], str(tiny["eval"]), str(tiny["model"]), str(cont))
+    run_continuations_stage(typed(tiny["cfg"]), tiny["rt"], str(tiny["eval"]), str(tiny["model"]), str(cont))
     for name, entry in entries.items():
         cfg = json.loads(json.dumps(tiny["cfg"]))
         cfg["drafters"]["variants"] = [entry]   # as drift.smk's variant_params passes it
@@ -215,12 +217,12 @@ def test_drift_variants_train_evaluate_and_decode_losslessly(tiny, tiny_features
         trained = load_drafter(out / "drafter", need_embedding=False).cfg
         assert {k: getattr(trained, k) for k in ("fc_norm", "norm_output")} == \
             {k: SWITCHES[name].get(k, False) for k in ("fc_norm", "norm_output")}
-        step = run_stepwise_stage(cfg, tiny["rt"], str(out / "drafter"), str(tiny["model"]), str(cont), index,
+        step = run_stepwise_stage(typed(cfg), tiny["rt"], str(out / "drafter"), str(tiny["model"]), str(cont), index,
                                   str(out / "stepwise.json"))
         sw = json.loads((out / "stepwise.json").read_text())
         assert len(sw["acc"]) == cfg["drafters"]["ttt_steps"] and step["alpha"] is not None
         assert "retention_observed" in sw or "retention" in json.dumps(sw)
-        run_e2e_stage(cfg, tiny["rt"], str(out / "drafter"), str(tiny["model"]), str(cont), index,
+        run_e2e_stage(typed(cfg), tiny["rt"], str(out / "drafter"), str(tiny["model"]), str(cont), index,
                       str(out / "e2e.json"))
         e2e = json.loads((out / "e2e.json").read_text())
         assert e2e["lossless"] and all(m["real_errors"] == 0 for m in e2e["modes"].values()), name

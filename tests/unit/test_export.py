@@ -23,6 +23,8 @@ from kvshot.drafters.unroll import unroll
 from kvshot.interop.export import EAGLE3_TENSORS, FormatError, export_eagle3
 from kvshot.interop.published import import_eagle3
 from kvshot.train.variants import build_variant, draft_vocab
+from ..conftest import typed, section
+from kvshot.settings import VariantSettings
 
 REPO = Path(__file__).resolve().parents[2]
 K = 7
@@ -50,7 +52,7 @@ def perturbed(model, seed: int = 0):
 def saved_drafter(world, variant: dict, folder):
     """A perturbed drafter of `variant` on the tiny target, saved in `folder`."""
     t = world["target"]
-    perturbed(build_variant(variant, t.config, t.model.embed_tokens.weight.detach(), world["d2t"])).save(folder)
+    perturbed(build_variant(section(VariantSettings, variant), t.config, t.model.embed_tokens.weight.detach(), world["d2t"])).save(folder)
     return folder
 
 
@@ -150,7 +152,7 @@ def test_export_refuses_what_the_format_cannot_hold(world, tmp_path):
                          ({"name": "k", "paradigm": "kv", "layers": 1}, "paradigm"),
                          ({"name": "y", "paradigm": "hybrid", "layers": 1}, "paradigm")):
         folder = tmp_path / variant["name"] / why
-        build_variant(variant, t.config, embed, world["d2t"]).save(folder)
+        build_variant(section(VariantSettings, variant), t.config, embed, world["d2t"]).save(folder)
         with pytest.raises(FormatError, match=why) as err:
             export_eagle3(folder, tmp_path / "out")
         assert "\n" not in str(err.value)
@@ -212,12 +214,12 @@ def test_an_imported_head_is_scored_by_stepwise_and_e2e_losslessly(exported, eag
     assert all(torch.equal(imported.state_dict()[n], t) for n, t in original.state_dict().items())
     index = str(tiny_features["eval"] / "index.json")
     cont = tmp_path / "continuations.json"
-    run_continuations_stage(cfg, tiny["rt"], str(tiny["eval"]), str(tiny["model"]), str(cont))
-    step = run_stepwise_stage(cfg, tiny["rt"], str(drafter_dir), str(tiny["model"]), str(cont), index,
+    run_continuations_stage(typed(cfg), tiny["rt"], str(tiny["eval"]), str(tiny["model"]), str(cont))
+    step = run_stepwise_stage(typed(cfg), tiny["rt"], str(drafter_dir), str(tiny["model"]), str(cont), index,
                               str(tmp_path / "stepwise.json"))
     assert len(json.loads((tmp_path / "stepwise.json").read_text())["acc"]) == cfg["drafters"]["ttt_steps"]
     assert step["alpha"] is not None
-    run_e2e_stage(cfg, tiny["rt"], str(drafter_dir), str(tiny["model"]), str(cont), index, str(tmp_path / "e2e.json"))
+    run_e2e_stage(typed(cfg), tiny["rt"], str(drafter_dir), str(tiny["model"]), str(cont), index, str(tmp_path / "e2e.json"))
     e2e = json.loads((tmp_path / "e2e.json").read_text())
     assert e2e["lossless"] and all(m["real_errors"] == 0 for m in e2e["modes"].values())
 

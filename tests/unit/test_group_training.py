@@ -17,6 +17,7 @@ from kvshot.train.group import train_group
 from kvshot.train.loop import StoppedForRuntime, train_variant
 
 from .test_train import Killed, die_at_call
+from ..conftest import typed
 
 NAMES = ["hyb", "kv2", "sa"]   # three paradigms: hybrid, KV-only, the standalone LM
 
@@ -32,11 +33,11 @@ def small_cfg(tiny, **train) -> dict:
 
 
 def alone(tiny, feats, cfg, name, out):
-    return train_variant(cfg, tiny["rt"], name, str(feats["train"]), str(feats["eval"]), str(tiny["model"]), str(out))
+    return train_variant(typed(cfg), tiny["rt"], name, str(feats["train"]), str(feats["eval"]), str(tiny["model"]), str(out))
 
 
 def group(tiny, feats, cfg, out, names=NAMES, runtime_minutes=None, rt=None):
-    return train_group(cfg, rt or tiny["rt"], names, str(feats["train"]), str(feats["eval"]), str(tiny["model"]),
+    return train_group(typed(cfg), rt or tiny["rt"], names, str(feats["train"]), str(feats["eval"]), str(tiny["model"]),
                        [str(out / n) for n in names], runtime_minutes)
 
 
@@ -90,7 +91,7 @@ def tiny_online(tiny, tmp_path_factory):
     cfg["features"]["mode"] = "online"
     root = tmp_path_factory.mktemp("online")
     for split in ("train", "eval"):
-        capture_split(cfg, tiny["rt"], str(tiny[split]), str(tiny["model"]), str(root / split))
+        capture_split(typed(cfg), tiny["rt"], str(tiny[split]), str(tiny["model"]), str(root / split))
     return {"train": root / "train", "eval": root / "eval"}
 
 

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from kvshot.train.heldout import batch_ids, evaluate
 
 from ..conftest import build_test_drafter
+from ..conftest import typed
 
 STEPS = 3
 CASES = [(4, 2), (6, 3)]   # (global batch, max batches) on the 8 eval samples: even shares; a short last batch
@@ -34,7 +35,7 @@ def _world(paths: dict):
 
     from ..conftest import tiny_config
 
-    target = load_target(paths["model"], runtime(tiny_config()))
+    target = load_target(paths["model"], runtime(typed(tiny_config())))
     train = open_features(paths["train"])
     return train, target, draft_vocab(train, 150, target.config.vocab_size)
 

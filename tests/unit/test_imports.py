@@ -28,7 +28,7 @@ LAYERS = [
     ["paper_shapes"],              # the fake-tensor meter runs every stage's code
     ["cli"],                       # python -m kvshot
 ]
-ROOT_UNITS = {"kvshot.config": "config", "kvshot.checks": "config", "kvshot.__main__": "cli", "kvshot": "cli"}
+ROOT_UNITS = {"kvshot.config": "config", "kvshot.checks": "config", "kvshot.settings": "config", "kvshot.__main__": "cli", "kvshot": "cli"}
 
 
 def module_name(path: Path) -> str:

@@ -20,6 +20,8 @@ from kvshot.train.variants import build_variant, draft_vocab
 from ..conftest import LLAMA_ARCH
 from .test_decode import CHAIN, TREE, K, distill_batch, prompts_of, train_quick, trained_target
 from .test_train import small_cfg
+from ..conftest import typed, section
+from kvshot.settings import VariantSettings
 
 VARIANTS = {
     "hidden-1": {"name": "h1", "paradigm": "hidden", "layers": 1},
@@ -67,7 +69,7 @@ def test_trainer_on_a_llama_target(tiny_llama, tiny_llama_features, tmp_path, na
     """The real trainer (a few steps); its KV drafters read the target's top layers, and
     every drafter layer is the target's family (no q/k norm)."""
     cfg = small_cfg(tiny_llama, max_steps=4, ckpt_every=100, log_every=1)
-    train_variant(cfg, tiny_llama["rt"], name, str(tiny_llama_features["train"]), str(tiny_llama_features["eval"]),
+    train_variant(typed(cfg), tiny_llama["rt"], name, str(tiny_llama_features["train"]), str(tiny_llama_features["eval"]),
                   str(tiny_llama["model"]), str(tmp_path / "out"))
     log = json.loads((tmp_path / "out/train_log.json").read_text())
     assert len(log) == 4 and all(torch.isfinite(torch.tensor(r["loss"])) for r in log)
@@ -96,7 +98,7 @@ def world(tiny_llama, tiny_llama_features):
     drafters = {}
     for i, (name, v) in enumerate(VARIANTS.items()):
         torch.manual_seed(i)
-        model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), d2t, target)
+        model = build_variant(section(VariantSettings, v), target.config, target.model.embed_tokens.weight.detach(), d2t, target)
         assert model.cfg.qk_norm is False
         drafters[name] = train_quick(model, batch, target.lm_head.weight.detach(), steps=24, lr=1.2e-2)
     refs = []
@@ -147,7 +149,7 @@ def test_standalone_on_llama_is_a_llama_lm(tiny_llama, tiny_llama_features):
 
     target = load_target(tiny_llama["model"], tiny_llama["rt"], attn="eager")
     v = {"name": "s", "paradigm": "standalone", "layers": 2}
-    model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), torch.arange(10), target).eval()
+    model = build_variant(section(VariantSettings, v), target.config, target.model.embed_tokens.weight.detach(), torch.arange(10), target).eval()
     assert model.cfg.qk_norm is False
     torch.testing.assert_close(model.layers[1].self_attn.k_proj.weight, target.model.layers[1].self_attn.k_proj.weight)
     hf = to_hf(model, attn_implementation="eager")

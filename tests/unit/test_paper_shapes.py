@@ -30,6 +30,7 @@ from kvshot.paper_shapes.shapes import GB, ShapeMeter
 from kvshot.train.diagnostics import grad_norms
 
 from ..conftest import REPO
+from ..conftest import typed
 
 # the memory of the GPU profiles/slurm books for every GPU rule: an H100 with 80 GB (the
 # paper's; the profile states no model); a rule may use it less the headroom, with the allowance
@@ -166,7 +167,7 @@ def test_the_allowance_and_the_headroom():
 
 @pytest.fixture(scope="module")
 def paper():
-    return PaperShapes(read_config([str(REPO / "config/config.yaml"), str(REPO / "config/paper.yaml")]))
+    return PaperShapes(typed(read_config([str(REPO / "config/config.yaml"), str(REPO / "config/paper.yaml")])))
 
 
 def fits(row) -> None:
@@ -224,7 +225,7 @@ def test_target_rules_fit(paper):
 def _paper_groups():
     from kvshot.paper_shapes.group_shapes import config_groups
 
-    return config_groups(read_config([str(REPO / "config/config.yaml"), str(REPO / "config/paper.yaml")]))
+    return config_groups(typed(read_config([str(REPO / "config/config.yaml"), str(REPO / "config/paper.yaml")])))
 
 
 @pytest.mark.parametrize("names", _paper_groups(), ids="+".join)

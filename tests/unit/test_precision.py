@@ -23,6 +23,7 @@ from kvshot.train.heldout import evaluate
 from kvshot.train.loop import train_variant
 
 from ..conftest import build_test_drafter
+from ..conftest import typed
 
 K = 3
 PARADIGMS = ["hidden", "kv", "hybrid", "standalone"]
@@ -43,10 +44,10 @@ def bf16_features(tiny, tmp_path_factory):
     out = {}
     for split in ("train", "eval"):
         out[split] = root / split
-        capture_split(cfg, bf16_runtime(tiny), str(tiny[split]), str(tiny["model"]), str(out[split]))
+        capture_split(typed(cfg), bf16_runtime(tiny), str(tiny[split]), str(tiny["model"]), str(out[split]))
     cfg["features"]["mode"] = "online"
     out["online"] = root / "online"
-    capture_split(cfg, bf16_runtime(tiny), str(tiny["train"]), str(tiny["model"]), str(out["online"]))
+    capture_split(typed(cfg), bf16_runtime(tiny), str(tiny["train"]), str(tiny["model"]), str(out["online"]))
     return out
 
 
@@ -74,7 +75,7 @@ def test_bf16_runtime_trains_in_bf16_with_fp32_state(tiny, bf16_features, tmp_pa
                         lambda path, *a: (real_save(path, *a), saved.append(torch.load(path, weights_only=False))))
     cfg = one_variant_cfg(tiny, paradigm)
     out = tmp_path / "v"
-    metrics = train_variant(cfg, bf16_runtime(tiny), "v", str(bf16_features["train"]), str(bf16_features["eval"]),
+    metrics = train_variant(typed(cfg), bf16_runtime(tiny), "v", str(bf16_features["train"]), str(bf16_features["eval"]),
                             str(tiny["model"]), str(out))
     assert seen == {torch.bfloat16}     # the portable attention, on bf16 operands (not the fp32 CPU kernel)
     log = json.loads((out / "train_log.json").read_text())
@@ -102,7 +103,7 @@ def test_online_bf16_features_hold_only_what_the_variant_reads(tiny, bf16_featur
     pad = ~batch["attention_mask"].bool()
     assert pad.any() and not batch["key_3"][pad].any()          # padding is zero, as offline
     cfg = one_variant_cfg(tiny, "kv", max_steps=1)
-    m = train_variant(cfg, rt, "v", str(bf16_features["online"]), str(bf16_features["eval"]), str(tiny["model"]),
+    m = train_variant(typed(cfg), rt, "v", str(bf16_features["online"]), str(bf16_features["eval"]), str(tiny["model"]),
                       str(tmp_path / "v"))
     assert m["steps"] == 1 and all(math.isfinite(x) for x in m["eval"]["loss"])
 

@@ -29,6 +29,8 @@ from kvshot.interop.export import FormatError
 from kvshot.interop.head_config import read_head_config
 from kvshot.interop.published import eagle_aux_ids, hf_aux_layers, import_head
 from kvshot.train.variants import draft_vocab
+from ..conftest import typed, section
+from kvshot.settings import PublishedSettings
 
 K = 7
 INTER = 48
@@ -204,11 +206,11 @@ def scored_losslessly(cfg, tiny, tiny_features, world, variant: dict, tmp_path):
                  "--target", str(tiny["model"]), "--out", str(drafter_dir)]) == 0
     index = str(tiny_features["eval"] / "index.json")
     cont = tmp_path / "continuations.json"
-    run_continuations_stage(cfg, tiny["rt"], str(tiny["eval"]), str(tiny["model"]), str(cont))
-    step = run_stepwise_stage(cfg, tiny["rt"], str(drafter_dir), str(tiny["model"]), str(cont), index,
+    run_continuations_stage(typed(cfg), tiny["rt"], str(tiny["eval"]), str(tiny["model"]), str(cont))
+    step = run_stepwise_stage(typed(cfg), tiny["rt"], str(drafter_dir), str(tiny["model"]), str(cont), index,
                               str(tmp_path / "stepwise.json"))
     assert step["alpha"] is not None
-    run_e2e_stage(cfg, tiny["rt"], str(drafter_dir), str(tiny["model"]), str(cont), index, str(tmp_path / "e2e.json"))
+    run_e2e_stage(typed(cfg), tiny["rt"], str(drafter_dir), str(tiny["model"]), str(cont), index, str(tmp_path / "e2e.json"))
     e2e = json.loads((tmp_path / "e2e.json").read_text())
     assert e2e["lossless"] and all(m["real_errors"] == 0 for m in e2e["modes"].values())
     return drafter_dir
@@ -346,7 +348,7 @@ def test_publisher_decoding_and_the_table(tmp_path):
     (tmp_path / "angelslim-eagle3" / "benchmarks.json").write_text(json.dumps({"benchmarks": {
         "mt-bench": {"temperatures": {"T=0": cell(3.50), "T=1": cell(2.00)}},
         "gsm8k": {"temperatures": {"T=0": cell(3.80)}}}}))
-    out = published_table(cfg["published"], tmp_path, tmp_path / "table.md")
+    out = published_table(section(PublishedSettings, cfg["published"]), tmp_path, tmp_path / "table.md")
     judged = {(r["head"], r["T"], r["benchmark"]): r for r in out["rows"] if r["ours"] is not None}
     assert set(judged) == {("redhat-eagle3", "T0", "mtbench"), ("angelslim-eagle3", "T0", "mtbench"),
                            ("angelslim-eagle3", "T1", "mtbench"), ("angelslim-eagle3", "T0", "gsm8k")}

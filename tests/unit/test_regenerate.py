@@ -14,6 +14,8 @@ from kvshot.config import fill_defaults
 from kvshot.data.chat import encode_prompt
 from kvshot.data.sources import read_jsonl
 from kvshot.data.tokenizer import load_tokenizer
+from ..conftest import section
+from kvshot.settings import ArchSettings, RegenerateSettings
 
 # data.regenerate as the stage gets it: the schema's defaults filled in
 SETTINGS = fill_defaults({"data": {"regenerate": {"max_new_tokens": 12, "batch_size": 3}}})["data"]["regenerate"]
@@ -30,7 +32,7 @@ def random_target(tiny, tmp_path_factory):
 
     tok = load_tokenizer(tiny["model"])
     torch.manual_seed(0)
-    model = build_target({**tiny["cfg"]["target"]["arch"], "tie_word_embeddings": False}, len(tok), tok.pad_token_id)
+    model = build_target(section(ArchSettings, {**tiny["cfg"]["target"]["arch"], "tie_word_embeddings": False}), len(tok), tok.pad_token_id)
     folder = tmp_path_factory.mktemp("random_target")
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -57,8 +59,8 @@ def greedy_answer(target, tok, messages: list[dict], max_new: int) -> list[int]:
 def test_answers_are_the_targets_and_batching_changes_nothing(setup):
     target, tok, convs = setup
     assert len({len(encode_prompt(tok, c["messages"][:1])) for c in convs}) > 1   # padding is exercised
-    batched, stats = regenerate_conversations(target, tok, convs, SETTINGS)
-    single, _ = regenerate_conversations(target, tok, convs, {**SETTINGS, "batch_size": 1})
+    batched, stats = regenerate_conversations(target, tok, convs, section(RegenerateSettings, SETTINGS))
+    single, _ = regenerate_conversations(target, tok, convs, section(RegenerateSettings, {**SETTINGS, "batch_size": 1}))
     assert batched == single
     assert [c["id"] for c in batched] == [c["id"] for c in convs][: len(batched)]
     for old, new in zip(convs, batched):
@@ -76,12 +78,12 @@ def test_answers_are_the_targets_and_batching_changes_nothing(setup):
 
 def test_max_turns_and_sampling(setup):
     target, tok, convs = setup
-    first, _ = regenerate_conversations(target, tok, convs, {**SETTINGS, "max_turns": 1})
+    first, _ = regenerate_conversations(target, tok, convs, section(RegenerateSettings, {**SETTINGS, "max_turns": 1}))
     assert all(len(c["messages"]) == 2 and c["messages"][1]["role"] == "assistant" for c in first)
     torch.manual_seed(0)
-    a, _ = regenerate_conversations(target, tok, convs[:3], {**SETTINGS, "temperature": 1.5, "max_turns": 1})
+    a, _ = regenerate_conversations(target, tok, convs[:3], section(RegenerateSettings, {**SETTINGS, "temperature": 1.5, "max_turns": 1}))
     torch.manual_seed(0)
-    b, _ = regenerate_conversations(target, tok, convs[:3], {**SETTINGS, "temperature": 1.5, "max_turns": 1})
+    b, _ = regenerate_conversations(target, tok, convs[:3], section(RegenerateSettings, {**SETTINGS, "temperature": 1.5, "max_turns": 1}))
     assert a == b and a != first[:3]
 
 

@@ -15,6 +15,8 @@ import yaml
 from kvshot.config import ConfigError, validate_config
 
 from ..conftest import REPO, tiny_config
+from ..conftest import section
+from kvshot.settings import DataSource, VariantSettings
 
 
 def _variant(cfg: dict, name: str) -> dict:
@@ -221,7 +223,7 @@ def test_damaged_weights_are_one_line(tiny, tiny_features, tmp_path):
     shutil.copytree(tiny["model"], target_dir)
     target = load_target(target_dir, tiny["rt"])
     d2t = draft_vocab(open_features(tiny_features["train"]), 64, target.config.vocab_size)
-    drafter = build_variant({"name": "kv", "paradigm": "kv", "layers": 1}, target.config,
+    drafter = build_variant(section(VariantSettings, {"name": "kv", "paradigm": "kv", "layers": 1}), target.config,
                             target.model.embed_tokens.weight.detach(), d2t)
     drafter.save(tmp_path / "drafter")
     load_drafter(tmp_path / "drafter", need_embedding=False)   # intact: loads
@@ -249,7 +251,7 @@ def test_packaged_sharegpt_split_has_no_shared_conversation(tmp_path):
                                      read_jsonl, sharegpt_package_path)
 
     cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())["data"]
-    stats = prepare_data(cfg["sources"], cfg["train_samples"], cfg["eval_samples"], 0, tmp_path)
+    stats = prepare_data(section(DataSource, cfg["sources"]), cfg["train_samples"], cfg["eval_samples"], 0, tmp_path)
     exact: set[str] = set()
     for messages in iter_sharegpt_file(sharegpt_package_path(), LoadStats("package")):
         exact.add(json.dumps(messages))

@@ -12,6 +12,8 @@ from kvshot.config import ConfigError, default_aux_layers
 from kvshot.train.heldout import plateaued
 
 from .test_train import run, small_cfg
+from ..conftest import typed, section
+from kvshot.settings import NaturalSettings, VariantSettings
 
 
 def curve(*losses, acc0=None):
@@ -50,9 +52,9 @@ def test_heldout_curve_reads_the_validation_split(tiny, tiny_features, tmp_path)
 
     val_jsonl = write_jsonl(tmp_path / "val.jsonl", synthetic_conversations(6, seed=3))
     val = tmp_path / "features_val"
-    capture_split(tiny["cfg"], tiny["rt"], str(val_jsonl), str(tiny["model"]), str(val))
+    capture_split(typed(tiny["cfg"]), tiny["rt"], str(val_jsonl), str(tiny["model"]), str(val))
     cfg = small_cfg(tiny, max_steps=4, eval_every=4, eval_batches=2)
-    args = (cfg, tiny["rt"], "hyb", str(tiny_features["train"]), str(tiny_features["eval"]), str(tiny["model"]))
+    args = (typed(cfg), tiny["rt"], "hyb", str(tiny_features["train"]), str(tiny_features["eval"]), str(tiny["model"]))
     with_val = train_variant(*args, str(tmp_path / "a"), val_dir=str(val))
     on_eval = train_variant(*args, str(tmp_path / "b"))
     assert (with_val["heldout_split"], on_eval["heldout_split"]) == ("val", "eval")
@@ -86,7 +88,7 @@ def test_seed_changes_the_drafter_and_is_recorded(tiny, tiny_features, tmp_path)
     from kvshot.config import Runtime
     from kvshot.train.loop import train_variant
 
-    b = train_variant(cfg | {"seed": 1}, Runtime(**other), "hyb", str(tiny_features["train"]),
+    b = train_variant(typed(cfg | {"seed": 1}), Runtime(**other), "hyb", str(tiny_features["train"]),
                       str(tiny_features["eval"]), str(tiny["model"]), str(tmp_path / "s1"))
     assert (a["seed"], b["seed"]) == (0, 1)
     from safetensors.torch import load_file
@@ -108,7 +110,7 @@ def test_seeds_pool_per_sequence_and_keep_each_seeds_record(tiny, tiny_features)
     src = open_features(tiny_features["train"])
     target = load_target(tiny["model"], tiny["rt"])
     ncfg = {"anchors": 16, "max_prefix_len": 80, "rollout_tokens": K + 1, "batch_size": 8}
-    items = natural_items(target, load_tokenizer(tiny["tokenizer"]), prompt_conversations(tiny["eval"], 100), ncfg, 0, "cpu")
+    items = natural_items(target, load_tokenizer(tiny["tokenizer"]), prompt_conversations(tiny["eval"], 100), section(NaturalSettings, ncfg), 0, "cpu")
     d2t = draft_vocab(src, 150, target.config.vocab_size)
     drafters = []
     for seed in (3, 4):
@@ -166,8 +168,8 @@ def test_head_init_target_starts_from_the_targets_head_rows(tiny, tiny_features)
     embed = target.model.embed_tokens.weight.detach()
     for head_init, same in (("target", True), ("random", False)):
         cfg["drafters"]["head_init"] = head_init
-        v = variant_config(cfg, "kv2")
-        assert v["head_init"] == head_init
+        v = variant_config(typed(cfg), "kv2")
+        assert v.head_init == head_init
         model = build_variant(v, target.config, embed, d2t, target)
         assert torch.equal(model.lm_head.weight, target.lm_head.weight[d2t]) is same
         assert torch.equal(model.norm.weight, target.model.norm.weight) is same

@@ -118,3 +118,36 @@ def test_published_figures_read_as_a_mapping():
     head = typed.published.heads[0]
     assert dict(head.published) == cfg["published"]["heads"][0]["published"]
     assert yaml.safe_dump(typed.to_dict())   # plain data again
+
+
+# builds a rule's params for Snakemake (common.smk), whose config is plain data
+PLAIN_CONFIG = {("published.py", "head_stage_config")}
+STAGE_PACKAGES = ("data", "capture", "drafters", "train", "evaluate", "interop", "paper_shapes", "report")
+
+
+def test_the_stages_take_the_typed_config():
+    """Past the schema, no stage reads the config as a dict: a function's `cfg` parameter is the
+    typed Config (or a drafter's DrafterConfig), and no `cfg[...]` or `cfg.get(...)` is left in
+    the stage packages."""
+    import ast
+
+    package = REPO / "src" / "kvshot"
+    untyped, indexed = [], []
+    for path in (p for name in STAGE_PACKAGES for p in (package / name).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (path.name, node.name) not in PLAIN_CONFIG:
+                for arg in node.args.args + node.args.kwonlyargs:
+                    # `cfg`: the typed config, or a drafter's own model config
+                    if arg.arg == "cfg" and (arg.annotation is None
+                                             or ast.unparse(arg.annotation) not in ("Config", "DrafterConfig")):
+                        untyped.append(f"{path.name}:{node.lineno} {node.name}")
+                for inner in ast.walk(node):
+                    reads = (isinstance(inner, ast.Subscript) and ast.unparse(inner.value) == "cfg") or (
+                        isinstance(inner, ast.Call) and ast.unparse(inner.func) == "cfg.get")
+                    if reads and (path.name, node.name) not in PLAIN_CONFIG:
+                        indexed.append(f"{path.name}:{inner.lineno} {node.name}")
+    assert untyped == [] and indexed == []
+    # the scan sees the one function allowed plain data
+    published = ast.parse((package / "interop" / "published.py").read_text())
+    assert any(isinstance(n, ast.Subscript) and ast.unparse(n.value) == "cfg" for n in ast.walk(published))

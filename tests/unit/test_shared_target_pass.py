@@ -7,6 +7,7 @@ import json
 from collections import Counter
 
 import pytest
+from ..conftest import typed
 
 VARIANTS = {"eagle3": [0, 1], "kv-d1": [0], "hybrid": [0]}   # the hidden, KV and hybrid readers; two seeds
 
@@ -27,12 +28,12 @@ def trained(tiny, tiny_features, tmp_path_factory):
         for seed in seeds:
             out = root / "drafters" / name / f"seed{seed}"
             cfg["seed"] = seed
-            train_variant(cfg, tiny["rt"], name, str(tiny_features["train"]), str(tiny_features["eval"]),
+            train_variant(typed(cfg), tiny["rt"], name, str(tiny_features["train"]), str(tiny_features["eval"]),
                           str(tiny["model"]), str(out))
             dirs.setdefault(name, []).append(str(out))
     cfg["seed"] = tiny["cfg"]["seed"]
     cont, natural = root / "continuations.json", root / "natural.json"
-    run_continuations_stage(cfg, tiny["rt"], str(tiny["eval"]), str(tiny["model"]), str(cont), str(natural))
+    run_continuations_stage(typed(cfg), tiny["rt"], str(tiny["eval"]), str(tiny["model"]), str(cont), str(natural))
     # A few steps on the tiny target accept nothing, so no record would tell the variants apart. Its
     # greedy text is nearly one token: map all (kv-d1) or every other (hybrid) draft id onto it.
     common = Counter(t for it in json.loads(cont.read_text())["items"] for t in it["continuation"]).most_common(1)[0][0]
@@ -57,11 +58,11 @@ def test_one_pass_equals_each_variant_alone(tiny, trained):
     outs = {name: (root / "alone" / name / "stepwise.json", root / "alone" / name / "stepwise_natural.json")
             for name in VARIANTS}
     for name, (out, nat) in outs.items():
-        run_stepwise_stage(t["cfg"], tiny["rt"], t["dirs"][name], str(tiny["model"]), t["cont"], t["index"], str(out),
+        run_stepwise_stage(typed(t["cfg"]), tiny["rt"], t["dirs"][name], str(tiny["model"]), t["cont"], t["index"], str(out),
                            t["natural"], str(nat))
     shared = {name: (root / "shared" / name / "stepwise.json", root / "shared" / name / "stepwise_natural.json")
               for name in VARIANTS}
-    summary = run_stepwise_stage(t["cfg"], tiny["rt"], [d for name in VARIANTS for d in t["dirs"][name]],
+    summary = run_stepwise_stage(typed(t["cfg"]), tiny["rt"], [d for name in VARIANTS for d in t["dirs"][name]],
                                  str(tiny["model"]), t["cont"], t["index"], [str(o) for o, _ in shared.values()],
                                  t["natural"], [str(n) for _, n in shared.values()])
     assert set(summary) == set(VARIANTS)
@@ -83,7 +84,7 @@ def test_outputs_must_match_the_variants(tiny, trained, tmp_path):
 
     t = trained
     with pytest.raises(DataError, match="2 outputs .* 3 variants"):
-        run_stepwise_stage(t["cfg"], tiny["rt"], [d for name in VARIANTS for d in t["dirs"][name]],
+        run_stepwise_stage(typed(t["cfg"]), tiny["rt"], [d for name in VARIANTS for d in t["dirs"][name]],
                            str(tiny["model"]), t["cont"], t["index"], [str(tmp_path / "a"), str(tmp_path / "b")])
 
 

@@ -17,6 +17,8 @@ from kvshot.train.objective import step_losses, target_labels, weighted_loss
 from kvshot.train.variants import build_variant, param_groups
 
 from ..conftest import assert_gradient_reaches_every_parameter
+from ..conftest import section
+from kvshot.settings import VariantSettings
 
 K = 4
 VARIANT = {"name": "s", "paradigm": "standalone", "layers": 2, "kv_layers": [0, 1]}   # kv_layers: ignored
@@ -33,7 +35,7 @@ def random_drafter(target, seed: int = 0) -> StandaloneDrafter:
     """Random layers (not the target's), norms off 1 so every weight matters."""
     torch.manual_seed(seed)
     d2t = torch.arange(10)   # replaced by the full vocabulary
-    model = build_variant(VARIANT, target.config, target.model.embed_tokens.weight.detach(), d2t)
+    model = build_variant(section(VariantSettings, VARIANT), target.config, target.model.embed_tokens.weight.detach(), d2t)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad and p.dim() == 1:
@@ -124,14 +126,14 @@ def test_starts_from_the_target_and_distills(setup):
     src, target = setup
     embed = target.model.embed_tokens.weight.detach()
     n = target.config.num_hidden_layers
-    full = build_variant({**VARIANT, "layers": n}, target.config, embed, torch.arange(3), target).eval()
+    full = build_variant(section(VariantSettings, {**VARIANT, "layers": n}), target.config, embed, torch.arange(3), target).eval()
     ids = src.batch([0])["input_ids"].long()
     with torch.no_grad():
         ref = target(ids).logits
         torch.testing.assert_close(to_hf(full)(ids).logits, ref, atol=1e-5, rtol=0)
         torch.testing.assert_close(unroll(full, lm_batch(ids), 1).logits[0][:, :-1], ref[:, 1:], atol=1e-5, rtol=0)
 
-    model = build_variant(VARIANT, target.config, embed, torch.arange(3), target).train()
+    model = build_variant(section(VariantSettings, VARIANT), target.config, embed, torch.arange(3), target).train()
     theirs = target.state_dict()
     for name, p in model.named_parameters():
         assert torch.equal(p, theirs[hf_name(name)]), name
@@ -154,7 +156,7 @@ def test_save_load_and_to_hf_refuses_a_reduced_vocab(setup, tmp_path):
     with pytest.raises(ValueError, match="full target vocabulary"):
         to_hf(reduced)
     with pytest.raises(ValueError, match="cannot start from the target"):
-        build_variant({**VARIANT, "intermediate_size": 8}, target.config, model.embed_tokens.weight, model.d2t, target)
+        build_variant(section(VariantSettings, {**VARIANT, "intermediate_size": 8}), target.config, model.embed_tokens.weight, model.d2t, target)
 
 
 @torch.no_grad()
@@ -166,7 +168,7 @@ def test_hf_assisted_generation_with_the_converted_drafter_matches_ours(setup):
     from kvshot.evaluate.draft_tree import DraftSpec
 
     src, target = setup
-    model = build_variant(VARIANT, target.config, target.model.embed_tokens.weight.detach(), torch.arange(3),
+    model = build_variant(section(VariantSettings, VARIANT), target.config, target.model.embed_tokens.weight.detach(), torch.arange(3),
                           target).eval()
     hf = to_hf(model, attn_implementation="eager")
     hf.generation_config.num_assistant_tokens = K

@@ -9,6 +9,8 @@ from kvshot.data.chat import render_chat
 from kvshot.data.tokenizer import load_tokenizer
 from kvshot.evaluate.references import eval_prompts, prompt_conversations
 from kvshot.evaluate.stepwise import chain_rows
+from ..conftest import section
+from kvshot.settings import NaturalSettings, PromptSource, VariantSettings
 
 
 def test_prompts_from_the_eval_split_stop_at_the_first_answer(tiny):
@@ -31,7 +33,7 @@ def test_mt_bench_prompts_through_datasets(tmp_path, tiny, monkeypatch):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     src = {"kind": "hub", "name": "HuggingFaceH4/mt_bench_prompts", "split": "train", "schema": "mtbench",
            "data_files": str(path)}
-    convs = prompt_conversations(tiny["eval"], 10, [src])
+    convs = prompt_conversations(tiny["eval"], 10, section(PromptSource, [src]))
     assert convs == [[{"role": "user", "content": f"Compose a travel blog post number {i}."}] for i in range(3)]
     tok = load_tokenizer(tiny["tokenizer"])
     assert tok.decode(eval_prompts(convs, tok, 1000)[0]).endswith("<|im_start|>assistant\n")
@@ -125,7 +127,7 @@ def test_stepwise_on_natural_items_scores_one_anchor_each_and_groups_conversatio
     target = load_target(tiny["model"], tiny["rt"])
     tok = load_tokenizer(tiny["tokenizer"])
     ncfg = {"anchors": 20, "max_prefix_len": 80, "rollout_tokens": K + 1, "batch_size": 8}
-    items = natural_items(target, tok, prompt_conversations(tiny["eval"], 100), ncfg, 0, "cpu")
+    items = natural_items(target, tok, prompt_conversations(tiny["eval"], 100), section(NaturalSettings, ncfg), 0, "cpu")
     assert len(items) == 20 and all(it["anchors"] == [len(it["prompt"]) - 1] for it in items)
     from kvshot.train.variants import draft_vocab
 
@@ -158,7 +160,7 @@ def test_drafting_from_chosen_anchors_equals_the_full_unroll(tiny, tiny_features
     target = load_target(tiny["model"], tiny["rt"])
     torch.manual_seed(0)
     spec = VARIANTS.get(paradigm) or {"name": "s", "paradigm": "standalone", "layers": 1}
-    model = build_variant(spec, target.config, target.model.embed_tokens.weight.detach(),
+    model = build_variant(section(VariantSettings, spec), target.config, target.model.embed_tokens.weight.detach(),
                           draft_vocab(src, 150, target.config.vocab_size)).eval()
     batch = src.batch([0, 1, 2])
     width = batch["input_ids"].shape[1]

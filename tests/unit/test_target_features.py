@@ -12,6 +12,8 @@ from kvshot.capture.target import load_target, target_forward
 from kvshot.config import feature_spec
 from kvshot.core.io import read_json
 from kvshot.data.tokenizer import load_tokenizer
+from ..conftest import typed, section
+from kvshot.settings import FeaturesSettings
 
 
 def test_target_stage_records_heldout_loss_and_generations(tiny):
@@ -28,7 +30,7 @@ def test_target_stage_records_heldout_loss_and_generations(tiny):
 def test_target_pretraining_is_deterministic(tiny, tmp_path):
     from kvshot.capture.target import run_target_stage
 
-    run_target_stage(tiny["cfg"], tiny["rt"], str(tiny["train"]), str(tiny["eval"]), str(tiny["tokenizer"]),
+    run_target_stage(typed(tiny["cfg"]), tiny["rt"], str(tiny["train"]), str(tiny["eval"]), str(tiny["tokenizer"]),
                      str(tmp_path / "model"), str(tmp_path / "metrics.json"))
     a = load_target(tiny["model"], tiny["rt"]).state_dict()
     b = load_target(tmp_path / "model", tiny["rt"]).state_dict()
@@ -38,7 +40,7 @@ def test_target_pretraining_is_deterministic(tiny, tmp_path):
 @pytest.fixture(scope="module")
 def captured(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("feat") / "train"
-    summary = capture_split(tiny["cfg"], tiny["rt"], str(tiny["train"]), str(tiny["model"]), str(out))
+    summary = capture_split(typed(tiny["cfg"]), tiny["rt"], str(tiny["train"]), str(tiny["model"]), str(out))
     return out, summary
 
 
@@ -118,7 +120,7 @@ def test_online_source_matches_offline(tiny, captured, tmp_path, monkeypatch):
     cfg["features"]["mode"] = "online"
     with monkeypatch.context() as m:
         m.setattr(features_mod, "load_target", lambda *a, **k: pytest.fail("online capture loaded the target"))
-        index = capture_split(cfg, tiny["rt"], str(tiny["train"]), str(tiny["model"]), str(tmp_path / "online"))
+        index = capture_split(typed(cfg), tiny["rt"], str(tiny["train"]), str(tiny["model"]), str(tmp_path / "online"))
     assert index["hidden_size"] == open_features(captured[0]).index["hidden_size"]
     assert index["feature_bytes_per_token"] == open_features(captured[0]).index["feature_bytes_per_token"]
     online = open_features(tmp_path / "online", tiny["rt"])
@@ -136,7 +138,7 @@ def test_sources_read_only_the_layers_a_drafter_needs(tiny, captured, tmp_path):
     other layers never leave it); what they hold equals the full read."""
     cfg = copy.deepcopy(tiny["cfg"])
     cfg["features"]["mode"] = "online"
-    capture_split(cfg, tiny["rt"], str(tiny["train"]), str(tiny["model"]), str(tmp_path / "online"))
+    capture_split(typed(cfg), tiny["rt"], str(tiny["train"]), str(tiny["model"]), str(tmp_path / "online"))
     full = next(batches(open_features(captured[0]), 3))
     for folder in (captured[0], tmp_path / "online"):
         src = open_features(folder, tiny["rt"], kv_layers=[1, 3], aux_hidden=False)
@@ -164,7 +166,7 @@ def test_failed_capture_leaves_nothing(tiny, tmp_path):
     cfg = copy.deepcopy(tiny["cfg"])
     cfg["features"]["kv_layers"] = [0, 9]  # a 4-layer target has no layer 9
     with pytest.raises(Exception, match="kv_layers"):
-        capture_split(cfg, tiny["rt"], str(tiny["train"]), str(tiny["model"]), str(tmp_path / "out"))
+        capture_split(typed(cfg), tiny["rt"], str(tiny["train"]), str(tiny["model"]), str(tmp_path / "out"))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -175,7 +177,7 @@ def test_feature_spec_convention():
     def features(**given) -> dict:   # as the stages get them: the schema's defaults filled in
         return fill_defaults({"features": {"aux_layers": None, "kv_layers": "all", "dtype": "float32", **given}})["features"]
 
-    assert feature_spec(features(), 8).aux_layers == (2, 4, 7)   # aux_rule: the schema's default, relative
-    assert feature_spec(features(aux_rule="eagle3"), 8).aux_layers == (2, 4, 5)
+    assert feature_spec(section(FeaturesSettings, features()), 8).aux_layers == (2, 4, 7)   # aux_rule: the schema's default, relative
+    assert feature_spec(section(FeaturesSettings, features(aux_rule="eagle3")), 8).aux_layers == (2, 4, 5)
     with pytest.raises(ConfigError, match="features.aux_layers"):
-        feature_spec(features(), 4)  # (2, 2, 1) is not three layers
+        feature_spec(section(FeaturesSettings, features()), 4)  # (2, 2, 1) is not three layers

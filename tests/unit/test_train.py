@@ -18,6 +18,7 @@ from kvshot.train.launch import accelerate_args
 from kvshot.train.loop import STOP_EXIT_CODE, StoppedForRuntime, train_variant
 
 from ..conftest import REPO
+from ..conftest import typed
 
 
 def small_cfg(tiny, **train) -> dict:
@@ -32,7 +33,7 @@ def small_cfg(tiny, **train) -> dict:
 
 
 def run(tiny, feats, cfg, out, name="hyb", runtime_minutes=None):
-    return train_variant(cfg, tiny["rt"], name, str(feats["train"]), str(feats["eval"]), str(tiny["model"]), str(out),
+    return train_variant(typed(cfg), tiny["rt"], name, str(feats["train"]), str(feats["eval"]), str(tiny["model"]), str(out),
                          runtime_minutes)
 
 
@@ -148,7 +149,7 @@ def test_upstream_change_retrains_from_step_0(tiny, tiny_features, tmp_path, mon
         shutil.copytree(tiny_features[split], folder)
 
     def train(out):
-        return train_variant(cfg, tiny["rt"], "hyb", str(feats["train"]), str(feats["eval"]), str(target), str(out))
+        return train_variant(typed(cfg), tiny["rt"], "hyb", str(feats["train"]), str(feats["eval"]), str(target), str(out))
 
     _killed_at_step_3(monkeypatch, lambda: train(tmp_path / "out"))
     assert torch.load(tmp_path / "out.ckpt/checkpoint.pt", weights_only=False)["progress"]["step"] == 2
@@ -160,7 +161,7 @@ def test_upstream_change_retrains_from_step_0(tiny, tiny_features, tmp_path, mon
     write_manifest(target)   # as the target stage does after writing the model
     for split, folder in feats.items():
         shutil.rmtree(folder)
-        capture_split(tiny["cfg"], tiny["rt"], str(tiny[split]), str(target), str(folder))
+        capture_split(typed(tiny["cfg"]), tiny["rt"], str(tiny[split]), str(target), str(folder))
     capsys.readouterr()
     m = train(tmp_path / "out")
     log = capsys.readouterr().out

@@ -82,7 +82,7 @@ class TrainGroups:
         """among: group only these of names (the scaling sweep's variants); the rest train alone."""
         from kvshot.checks import training_groups
 
-        self.groups = training_groups(config, [v for v in names if among is None or v in among])
+        self.groups = training_groups(config["drafters"].get("group_training"), [v for v in names if among is None or v in among])
         self.of = {v: "+".join(g) for g in self.groups for v in g}
         self.alone = [v for v in names if v not in self.of]
 

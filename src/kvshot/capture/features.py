@@ -24,6 +24,7 @@ from kvshot.core.io import atomic_dir, read_json, write_json
 from kvshot.core.progress import progress
 from kvshot.data.chat import tokenize_conversation
 from kvshot.data.sources import read_jsonl
+from kvshot.settings import Config
 
 INDEX = "index.json"
 TOKEN_KEYS = ("input_ids", "loss_mask")
@@ -104,24 +105,24 @@ def tokenize_split(jsonl: str | Path, tokenizer, max_len: int) -> list[dict[str,
     return samples
 
 
-def capture_split(cfg: dict, rt: Runtime, split_jsonl: str, target_dir: str, out_dir: str) -> dict:
+def capture_split(cfg: Config, rt: Runtime, split_jsonl: str, target_dir: str, out_dir: str) -> dict:
     """The `capture_features` stage for one split."""
-    fcfg = cfg["features"]
-    offline = fcfg["mode"] == "offline"
+    fcfg = cfg.features
+    offline = fcfg.mode == "offline"
     # online: the trainer runs the target; this stage only tokenizes, so it reads the config alone
-    model = load_target(target_dir, rt, cfg["target"]["attn_implementation"]) if offline else None
+    model = load_target(target_dir, rt, cfg.target.attn_implementation) if offline else None
     config = model.config if offline else load_target_config(target_dir)
     from kvshot.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(target_dir)
     spec = feature_spec(fcfg, config.num_hidden_layers)
-    max_len = fcfg.get("max_len") or cfg["data"]["max_len"]
-    samples = tokenize_split(split_jsonl, tokenizer, max_len)[: fcfg.get("max_samples") or None]
+    max_len = fcfg.max_len or cfg.data.max_len
+    samples = tokenize_split(split_jsonl, tokenizer, max_len)[: fcfg.max_samples or None]
     lengths = [s["input_ids"].shape[0] for s in samples]
     start = time.perf_counter()
     with atomic_dir(out_dir) as tmp:
-        groups = length_batches(lengths, fcfg["batch_tokens"])
-        with ShardWriter(tmp, [i for g in groups for i in g], lengths, fcfg["shard_tokens"]) as writer:
+        groups = length_batches(lengths, fcfg.batch_tokens)
+        with ShardWriter(tmp, [i for g in groups for i in g], lengths, fcfg.shard_tokens) as writer:
             for group in progress(groups, desc=f"capture {Path(split_jsonl).stem}", unit="batch"):
                 batch = pad_batch([samples[i] for i in group], tokenizer.pad_token_id)
                 # a temporary: the batch's activations are freed before the next forward allocates its own
@@ -129,7 +130,7 @@ def capture_split(cfg: dict, rt: Runtime, split_jsonl: str, target_dir: str, out
                            {k: batch[k] for k in TOKEN_KEYS}, padded=True)
         tokens = sum(lengths)
         index = {
-            "mode": fcfg["mode"],
+            "mode": fcfg.mode,
             "target": str(target_dir),
             "spec": {"aux_layers": list(spec.aux_layers), "kv_layers": list(spec.kv_layers), "dtype": spec.dtype},
             "hidden_size": config.hidden_size,

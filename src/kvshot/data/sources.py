@@ -18,10 +18,11 @@ from array import array
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from kvshot.core.io import DataError
 from kvshot.core.ranked_writer import RankedWriter, atomic_write
+from kvshot.settings import DataSource
 
 ROLES = ("system", "user", "assistant")
 
@@ -328,7 +329,7 @@ def _load_hub(name: str, split: str, files: list[str] | None, revision: str | No
 
 
 def iter_hub_dataset(name: str, split: str, schema: str, stats: LoadStats,
-                     data_files: str | list[str] | None = None,
+                     data_files: str | Sequence[str] | None = None,
                      max_records: int | None = None, revision: str | None = None) -> Iterator[list[dict]]:
     """Yield normalized conversations from a `datasets` dataset (hub name or local files);
     with HF_HUB_OFFLINE=1, from the HF cache's snapshot of `revision` (default: main)."""
@@ -337,7 +338,8 @@ def iter_hub_dataset(name: str, split: str, schema: str, stats: LoadStats,
             str(f) for f in ([data_files] if isinstance(data_files, (str, Path)) else data_files)]
         ds = _load_hub(name, split, files, revision)
     except Exception as e:  # network, schema-cast and missing-file errors all look different
-        where = f"{name} ({data_files})" if data_files is not None else f"{name} [{split}]"
+        shown = data_files if isinstance(data_files, (str, Path)) else list(data_files or [])
+        where = f"{name} ({shown})" if data_files is not None else f"{name} [{split}]"
         where += f" @ {revision}" if revision else ""
         hint = " (offline: is it in the HF cache, HF_HUB_CACHE / HF_HOME?)" if hub_offline() else ""
         raise DataError(f"dataset {where}: load failed{hint}: {type(e).__name__}: {_one_line(e)}") from e
@@ -349,25 +351,25 @@ def iter_hub_dataset(name: str, split: str, schema: str, stats: LoadStats,
             yield messages
 
 
-def iter_sources(sources: list[dict], stats_out: list) -> Iterator[tuple[int, int, list[dict]]]:
+def iter_sources(sources: Sequence[DataSource], stats_out: list) -> Iterator[tuple[int, int, list[dict]]]:
     """(source index, index among the source's kept records, messages) for every kept
     record, source by source; one LoadStats per source is appended to stats_out."""
     from kvshot.core.progress import Progress
 
     for index, src in enumerate(sources):
-        kind, cap = src.get("kind"), src.get("max_records")
+        kind, cap = src.kind, src.max_records
         if kind == "sharegpt_package":
             path = sharegpt_package_path()
             stats = LoadStats(f"sharegpt_package:{path.name}")
             it = iter_sharegpt_file(path, stats, max_records=cap)
         elif kind == "sharegpt_file":
-            stats = LoadStats(f"sharegpt_file:{src['path']}")
-            it = iter_sharegpt_file(src["path"], stats, max_records=cap)
+            stats = LoadStats(f"sharegpt_file:{src.path}")
+            it = iter_sharegpt_file(src.path, stats, max_records=cap)
         elif kind == "hub":
-            stats = LoadStats(f"hub:{src['name']}")
-            it = iter_hub_dataset(src["name"], src["split"], src["schema"], stats,
-                                  data_files=src.get("data_files"), max_records=cap,
-                                  revision=src.get("revision"))
+            stats = LoadStats(f"hub:{src.name}")
+            it = iter_hub_dataset(src.name, src.split, src.schema, stats,
+                                  data_files=src.data_files, max_records=cap,
+                                  revision=src.revision)
         else:
             raise DataError(f"source {index}: unknown kind {kind!r}")
         with Progress(desc=stats.source[:40], unit="rec") as bar:
@@ -378,7 +380,7 @@ def iter_sources(sources: list[dict], stats_out: list) -> Iterator[tuple[int, in
         stats_out.append(stats)
 
 
-def load_sources(sources: list[dict], stats_out: list) -> list[list[dict]]:
+def load_sources(sources: Sequence[DataSource], stats_out: list) -> list[list[dict]]:
     """Every kept conversation of every source, in order (in memory: for small inputs)."""
     return [messages for _, _, messages in iter_sources(sources, stats_out)]
 
@@ -469,7 +471,7 @@ def split_conversations(convs: list, train_samples: int, eval_samples: int, seed
     return {name: [convs[i] for i in order[a:b]] for name, (a, b) in bounds.items()}
 
 
-def prepare_data(sources: list[dict], train_samples: int, eval_samples: int, seed: int,
+def prepare_data(sources: Sequence[DataSource], train_samples: int, eval_samples: int, seed: int,
                  out_dir: str | Path, min_assistant_chars: int = 1, val_samples: int | None = None) -> dict:
     """Filter, deduplicate, split and write train.jsonl / eval.jsonl / val.jsonl / stats.json
     into out_dir, streaming. val_samples: the validation split the drafter trainer's held-out

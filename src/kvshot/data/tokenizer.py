@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from kvshot.core.io import DataError, atomic_dir, write_json
 from kvshot.data.chat import CHAT_TEMPLATE, IM_END, IM_START, render_chat
 from kvshot.data.sources import read_jsonl
+from kvshot.settings import TokenizerSettings
 
 EOS_TEXT = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS_TEXT, IM_START, IM_END]
@@ -53,20 +54,20 @@ def check_chat_tokens(tokenizer, where: str) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
-def build_tokenizer(tok_cfg: dict, train_jsonl: str | Path, out_dir: str | Path) -> dict:
+def build_tokenizer(tok_cfg: TokenizerSettings, train_jsonl: str | Path, out_dir: str | Path) -> dict:
     """Write a HF tokenizer folder; returns a small summary for the stage's log."""
-    if tok_cfg["source"] == "train":
-        tokenizer = train_bpe(read_jsonl(train_jsonl), tok_cfg["vocab_size"])
+    if tok_cfg.source == "train":
+        tokenizer = train_bpe(read_jsonl(train_jsonl), tok_cfg.vocab_size)
         origin = f"byte-level BPE trained on {train_jsonl}"
-    elif tok_cfg["source"] == "gguf":
+    elif tok_cfg.source == "gguf":
         from kvshot.core.gguf import load_gguf_tokenizer
 
-        tokenizer = load_gguf_tokenizer(tok_cfg["gguf"])
-        origin = f"{tok_cfg['gguf']['package']}/{tok_cfg['gguf']['file']} (sha256 {tok_cfg['gguf']['sha256'][:12]})"
+        tokenizer = load_gguf_tokenizer(tok_cfg.gguf)
+        origin = f"{tok_cfg.gguf.package}/{tok_cfg.gguf.file} (sha256 {tok_cfg.gguf.sha256[:12]})"
     else:
-        tokenizer = AutoTokenizer.from_pretrained(tok_cfg["name"], revision=tok_cfg.get("revision"))
-        origin = tok_cfg["name"] + (f"@{tok_cfg['revision']}" if tok_cfg.get("revision") else "")
-    check_chat_tokens(tokenizer, origin if tok_cfg["source"] == "gguf" else str(tok_cfg.get("name") or train_jsonl))
+        tokenizer = AutoTokenizer.from_pretrained(tok_cfg.name, revision=tok_cfg.revision)
+        origin = tok_cfg.name + (f"@{tok_cfg.revision}" if tok_cfg.revision else "")
+    check_chat_tokens(tokenizer, origin if tok_cfg.source == "gguf" else str(tok_cfg.name or train_jsonl))
     if not tokenizer.chat_template:
         tokenizer.chat_template = CHAT_TEMPLATE
     summary = {"origin": origin, "vocab_size": len(tokenizer),

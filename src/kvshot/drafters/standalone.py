@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from .own_prefix import carried_state, self_attention
-from .skeleton import DecoderLayer, Drafter, StepState
+from .skeleton import DecoderLayer, Drafter, DrafterConfig, StepState
 
 # our layer norms' names in a Qwen3 / Llama decoder layer; every other name is the same
 _HF_RENAMES = {"attn_norm.": "input_layernorm.", "mlp_norm.": "post_attention_layernorm."}
@@ -20,7 +20,7 @@ class StandaloneDrafter(Drafter):
     paradigm = "standalone"
     causal_lm = True   # reads only tokens: teacher-forced training needs step 0 alone (`unroll`)
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: DrafterConfig):
         super().__init__(cfg)
         self.layers = nn.ModuleList(DecoderLayer(cfg.hidden_size, cfg) for _ in range(cfg.num_layers))
 

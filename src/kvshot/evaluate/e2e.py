@@ -31,13 +31,14 @@ from kvshot.evaluate.draft_tree import DraftSpec
 from kvshot.evaluate.eval_models import load_models
 from kvshot.evaluate.references import read_continuations, repetition_share
 from kvshot.evaluate.stepwise import drafter_seed, drafter_variant
+from kvshot.settings import Config
 from kvshot.stats.prompt_bootstrap import ratio
 
 
-def specs(cfg: dict) -> dict[str, DraftSpec]:
-    tree = cfg["eval"]["e2e"]["tree"]
-    return {"chain": DraftSpec(depth=cfg["drafters"]["ttt_steps"], topk=1),
-            "tree": DraftSpec(depth=tree["depth"], topk=tree["topk"], total_tokens=tree["total_tokens"])}
+def specs(cfg: Config) -> dict[str, DraftSpec]:
+    tree = cfg.eval.e2e.tree
+    return {"chain": DraftSpec(depth=cfg.drafters.ttt_steps, topk=1),
+            "tree": DraftSpec(depth=tree.depth, topk=tree.topk, total_tokens=tree.total_tokens)}
 
 
 def e2e_prompts(items: list[dict], n: int, seed: int) -> list[dict]:
@@ -144,23 +145,23 @@ def across_seed_modes(per_seed: list[dict]) -> dict:
 
 
 @torch.no_grad()
-def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: str, prompts: str,
+def run_e2e_stage(cfg: Config, rt: Runtime, drafter_dirs: list[str], target_dir: str, prompts: str,
                   features_index: str, out_path: str) -> dict:
     """e2e.json for one variant's drafters (one per training seed): per-seed records in
     `per_seed` (with per-prompt counts), and `modes` summarized over every seed's runs together
     (the seed-averaged drafter) with prompt x seed bootstrap intervals of tau and drafting time.
     Plain decoding runs once per prompt, interleaved with the speculative runs it is timed against.
     `prompts`: results/eval/natural.json (or a continuations file: its prompts in order)."""
-    ecfg = cfg["eval"]["e2e"]
+    ecfg = cfg.eval.e2e
     drafter_dirs = [drafter_dirs] if isinstance(drafter_dirs, (str, Path)) else list(drafter_dirs)
     cont = read_continuations(prompts)   # before the models load: a damaged file fails fast
-    items = e2e_prompts(cont["items"], ecfg["prompts"], cfg["seed"])
+    items = e2e_prompts(cont["items"], ecfg.prompts, cfg.seed)
     if not items:
         raise DataError(f"{prompts}: no prompts for eval.e2e")
     models = load_models(cfg, rt, target_dir, [drafter_dirs], features_index)
     target, drafters = models.target, models.drafters[0]
     aux = models.aux_for(drafters)
-    n_new, eos = ecfg["max_new_tokens"], cont["eos_id"]
+    n_new, eos = ecfg.max_new_tokens, cont["eos_id"]
     modes = specs(cfg)
     if getattr(drafters[0], "block_wise", False):   # a block drafter drafts chains only (one forward per round)
         modes = {"chain": modes["chain"]}
@@ -170,7 +171,7 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: s
     def ids(it):
         return torch.tensor([it["prompt"]], device=rt.device)
 
-    for it in items[: ecfg["warmup"]]:          # warm-up: allocator, kernels, caches
+    for it in items[: ecfg.warmup]:          # warm-up: allocator, kernels, caches
         plain_generate(target, ids(it), 8, eos)
         for drafter in drafters:
             for spec in modes.values():
@@ -184,7 +185,7 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: s
             for m, spec in modes.items():
                 own[m].append(speculative_generate(target, drafter, ids(it), n_new, eos, aux, spec,
                                                      precision=rt.dtype))
-    ulps = ecfg["near_tie_ulps"]
+    ulps = ecfg.near_tie_ulps
 
     def mode_summaries(by_mode: dict, base: list) -> dict:
         return {m: summarize(r, base, target.dtype, ulps) | {"spec": vars(modes[m])} for m, r in by_mode.items()}
@@ -196,7 +197,7 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: s
     for m, summary in pooled_modes.items():   # cells are per seed and prompt: per_seed holds them
         del summary["per_prompt"]
         summary["intervals"] = pooled_intervals([s["modes"][m]["per_prompt"] for s in per_seed],
-                                                cfg["eval"]["bootstrap_samples"], cfg["seed"])
+                                                cfg.eval.bootstrap_samples, cfg.seed)
     generated = [{"prompt": it["prompt"], "continuation": b.tokens} for it, b in zip(items, baseline)]
     # the reference the prefixes are compared on: the target's generate() output (short for natural rollouts)
     baseline_cut = [replace(b, tokens=b.tokens[: len(ref)]) for b, ref in zip(baseline, reference)]
@@ -227,7 +228,7 @@ def run_e2e_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: s
 
 
 @torch.no_grad()
-def run_e2e_timing_stage(cfg: dict, rt: Runtime, reference_dirs: list[str], hybrid_dirs: list[str], target_dir: str,
+def run_e2e_timing_stage(cfg: Config, rt: Runtime, reference_dirs: list[str], hybrid_dirs: list[str], target_dir: str,
                          prompts: str, features_index: str, out_path: str) -> dict:
     """e2e_timing.json: EAGLE-3's and the hybrid's drafters (one per training seed, paired by
     index) decode the same prompts in one process, chain mode, alternating variant by variant
@@ -236,12 +237,12 @@ def run_e2e_timing_stage(cfg: dict, rt: Runtime, reference_dirs: list[str], hybr
     hybrid's drafting time per round over EAGLE-3's with a paired prompt x seed interval."""
     from kvshot.stats.prompt_bootstrap import paired_ratio_change
 
-    ecfg = cfg["eval"]["e2e"]
+    ecfg = cfg.eval.e2e
     if len(reference_dirs) != len(hybrid_dirs):
         raise DataError(f"e2e-timing: {len(reference_dirs)} reference drafters but {len(hybrid_dirs)} hybrid "
                         "drafters: the seeds are paired, give one of each per seed")
     cont = read_continuations(prompts)
-    items = e2e_prompts(cont["items"], ecfg["prompts"], cfg["seed"])
+    items = e2e_prompts(cont["items"], ecfg.prompts, cfg.seed)
     if not items:
         raise DataError(f"{prompts}: no prompts for eval.e2e")
     models = load_models(cfg, rt, target_dir, [list(reference_dirs), list(hybrid_dirs)], features_index)
@@ -251,14 +252,14 @@ def run_e2e_timing_stage(cfg: dict, rt: Runtime, reference_dirs: list[str], hybr
     if len(groups) != 2:
         raise DataError("e2e-timing: --reference and --hybrid name the same variant")
     names, chain = list(groups), specs(cfg)["chain"]
-    n_new, eos = ecfg["max_new_tokens"], cont["eos_id"]
+    n_new, eos = ecfg.max_new_tokens, cont["eos_id"]
 
     def decode(name: str, seed_index: int, it: dict, tokens: int) -> DecodeResult:
         _, drafters, aux = groups[name]
         ids = torch.tensor([it["prompt"]], device=rt.device)
         return speculative_generate(target, drafters[seed_index], ids, tokens, eos, aux, chain, precision=rt.dtype)
 
-    for it in items[: ecfg["warmup"]]:
+    for it in items[: ecfg.warmup]:
         for name in names:
             for s in range(len(reference_dirs)):
                 decode(name, s, it, 8)
@@ -269,7 +270,7 @@ def run_e2e_timing_stage(cfg: dict, rt: Runtime, reference_dirs: list[str], hybr
             for name in (names if p % 2 == 0 else names[::-1]):
                 runs[name][s].append(decode(name, s, it, n_new))
     counts = {name: [per_prompt(own) for own in runs[name]] for name in names}
-    samples, seed = cfg["eval"]["bootstrap_samples"], cfg["seed"]
+    samples, seed = cfg.eval.bootstrap_samples, cfg.seed
     ref, hyb = names
     overhead = paired_ratio_change(seed_prompt_table(counts[ref], "draft_s"), seed_prompt_table(counts[ref], "rounds"),
                                    seed_prompt_table(counts[hyb], "draft_s"), seed_prompt_table(counts[hyb], "rounds"),

@@ -9,6 +9,7 @@ from pathlib import Path
 from kvshot.config import Runtime
 from kvshot.core.io import read_json
 from kvshot.drafters import Drafter
+from kvshot.settings import Config
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class EvalModels:
         return self.aux_layers if drafters[0].reads_aux_hidden else None
 
 
-def load_models(cfg: dict, rt: Runtime, target_dir: str | Path, groups: list[list[str]],
+def load_models(cfg: Config, rt: Runtime, target_dir: str | Path, groups: list[list[str]],
                 features_index: str | Path) -> EvalModels:
     """Set the drafters' attention backend (drafters.attention), then load the target and every
     drafter folder of `groups` (sharing the target's input embedding)."""
@@ -30,8 +31,8 @@ def load_models(cfg: dict, rt: Runtime, target_dir: str | Path, groups: list[lis
     from kvshot.drafters import load_drafter
     from kvshot.drafters.attention import use_attention
 
-    use_attention(cfg["drafters"]["attention"])
-    target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
+    use_attention(cfg.drafters.attention)
+    target = load_target(target_dir, rt, cfg.target.attn_implementation)
     embed = target.model.embed_tokens.weight
     drafters = [[load_drafter(d, rt.device, embed=embed).eval() for d in dirs] for dirs in groups]
     return EvalModels(target, drafters, tuple(read_json(features_index)["spec"]["aux_layers"]))

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import asdict
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -20,9 +22,11 @@ from kvshot.core.io import DataError, read_json, write_json
 from kvshot.core.progress import progress
 from kvshot.data.chat import encode_prompt, tokenize_conversation
 from kvshot.data.sources import read_jsonl
+from kvshot.settings import Config, DataSource, NaturalSettings, PromptSource
 
 
-def prompt_conversations(eval_jsonl: str | Path, n: int, sources: list[dict] | None = None) -> list[list[dict]]:
+def prompt_conversations(eval_jsonl: str | Path, n: int,
+                         sources: Sequence[PromptSource] | None = None) -> list[list[dict]]:
     """Held-out conversations from the eval split, or public suites through `datasets`
     (e.g. MT-Bench prompts, schema `mtbench`) when eval.prompt_sources is set."""
     if not sources:
@@ -32,7 +36,9 @@ def prompt_conversations(eval_jsonl: str | Path, n: int, sources: list[dict] | N
     convs: list[list[dict]] = []
     stats: list = []
     for src in sources:
-        convs += load_sources([src], stats)[: n - len(convs)]
+        hub = DataSource(kind="hub", path=None, name=src.name, split=src.split, schema=src.schema,
+                         data_files=src.data_files, revision=src.revision, max_records=None)
+        convs += load_sources([hub], stats)[: n - len(convs)]
     return convs
 
 
@@ -95,40 +101,40 @@ def greedy_rollouts(target, prompts: list[list[int]], tokens: int, eos_id: int |
     return out
 
 
-def natural_items(target, tokenizer, conversations: list[list[dict]], ncfg: dict, seed: int, device: str) -> list[dict]:
+def natural_items(target, tokenizer, conversations: list[list[dict]], ncfg: NaturalSettings, seed: int, device: str) -> list[dict]:
     """The natural protocol's items: a real prefix, the target's rollout from it, one anchor."""
-    items = natural_anchors(conversations, tokenizer, ncfg["anchors"], ncfg["max_prefix_len"], seed)
+    items = natural_anchors(conversations, tokenizer, ncfg.anchors, ncfg.max_prefix_len, seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rollouts = greedy_rollouts(target, [it["prompt"] for it in items], ncfg["rollout_tokens"], tokenizer.eos_token_id,
-                               pad, device, ncfg["batch_size"])
+    rollouts = greedy_rollouts(target, [it["prompt"] for it in items], ncfg.rollout_tokens, tokenizer.eos_token_id,
+                               pad, device, ncfg.batch_size)
     return [it | {"continuation": r, "anchors": [len(it["prompt"]) - 1]} for it, r in zip(items, rollouts)]
 
 
-def run_continuations_stage(cfg: dict, rt: Runtime, eval_jsonl: str, target_dir: str, out_path: str,
+def run_continuations_stage(cfg: Config, rt: Runtime, eval_jsonl: str, target_dir: str, out_path: str,
                             natural_out: str | None = None) -> dict:
     """The reference chains: the target's continuations of the eval prompts, and with
     natural_out its rollouts at seeded anchors in real held-out assistant text."""
     from kvshot.capture.target import load_target
     from kvshot.data.tokenizer import load_tokenizer
 
-    ecfg = cfg["eval"]
-    target = load_target(target_dir, rt, cfg["target"]["attn_implementation"])
+    ecfg = cfg.eval
+    target = load_target(target_dir, rt, cfg.target.attn_implementation)
     tokenizer = load_tokenizer(target_dir)
-    convs = prompt_conversations(eval_jsonl, ecfg["prompts"], ecfg.get("prompt_sources"))
-    prompts = eval_prompts(convs, tokenizer, ecfg["max_prompt_len"])
+    convs = prompt_conversations(eval_jsonl, ecfg.prompts, ecfg.prompt_sources)
+    prompts = eval_prompts(convs, tokenizer, ecfg.max_prompt_len)
     start = time.time()
-    items = greedy_continuations(target, tokenizer, prompts, ecfg["max_new_tokens"], rt.device)
-    result = {"target": target_dir, "max_new_tokens": ecfg["max_new_tokens"], "eos_id": tokenizer.eos_token_id,
+    items = greedy_continuations(target, tokenizer, prompts, ecfg.max_new_tokens, rt.device)
+    result = {"target": target_dir, "max_new_tokens": ecfg.max_new_tokens, "eos_id": tokenizer.eos_token_id,
               "seconds": time.time() - start, "items": items}
     write_json(out_path, result)
     summary = {"prompts": len(items), "tokens": sum(len(i["continuation"]) for i in items)}
     if natural_out:
-        ncfg, start = ecfg["natural"], time.time()
+        ncfg, start = ecfg.natural, time.time()
         real = [c["messages"] for c in read_jsonl(eval_jsonl)]   # real assistant text: the eval split itself
-        nat = natural_items(target, tokenizer, real, ncfg, cfg["seed"], rt.device)
+        nat = natural_items(target, tokenizer, real, ncfg, cfg.seed, rt.device)
         if not nat:
             raise DataError(f"{eval_jsonl}: no assistant text to anchor the natural protocol (eval.natural)")
-        write_json(natural_out, {"target": target_dir, "protocol": "natural", **ncfg, "seed": cfg["seed"],
+        write_json(natural_out, {"target": target_dir, "protocol": "natural", **asdict(ncfg), "seed": cfg.seed,
                                  "eos_id": tokenizer.eos_token_id, "seconds": time.time() - start, "items": nat})
         summary["natural_anchors"] = len(nat)
     return summary

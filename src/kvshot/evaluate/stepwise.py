@@ -26,6 +26,7 @@ from kvshot.drafters import Drafter
 from kvshot.drafters.unroll import any_unroll, is_block
 from kvshot.evaluate.eval_models import load_models
 from kvshot.evaluate.references import read_continuations, repetition_share
+from kvshot.settings import Config
 from kvshot.stats.metrics import (DEFAULT_MIN_ROUNDS, DEFAULT_MIN_SEQUENCES, chain_counts, chain_summary,
                                   jeffreys_interval)
 from kvshot.stats.resample import AnchorPanel, panel, panel_record
@@ -336,7 +337,7 @@ def variant_groups(drafter_dirs: list[str], outs: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
-def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_dir: str, continuations: str,
+def run_stepwise_stage(cfg: Config, rt: Runtime, drafter_dirs: list[str], target_dir: str, continuations: str,
                        features_index: str, out_path: str | list[str], natural: str | None = None,
                        natural_out: str | list[str] | None = None) -> dict:
     """stepwise.json on the continuations for one variant's drafters (one per training seed,
@@ -347,7 +348,7 @@ def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_d
     natural_outs = [natural_out] if isinstance(natural_out, (str, Path)) else list(natural_out or [])
     if bool(natural) != bool(natural_outs) or (natural and len(natural_outs) != len(outs)):
         raise DataError("eval-stepwise: --natural and --natural-out go together (one --natural-out per --out)")
-    steps, rollout = cfg["drafters"]["ttt_steps"], cfg["eval"]["natural"]["rollout_tokens"]
+    steps, rollout = cfg.drafters.ttt_steps, cfg.eval.natural.rollout_tokens
     if natural and rollout < steps:
         raise ConfigError(f"config: eval.natural.rollout_tokens: {rollout} < drafters.ttt_steps {steps} "
                           f"(a chain of K steps needs K rollout tokens; K + 1 is the reference chain)")
@@ -359,21 +360,21 @@ def run_stepwise_stage(cfg: dict, rt: Runtime, drafter_dirs: list[str], target_d
     models = load_models(cfg, rt, target_dir, groups, features_index)
     target, aux = models.target, models.aux_layers
     drafters = [[(drafter_seed(d), m) for d, m in zip(dirs, loaded)] for dirs, loaded in zip(groups, models.drafters)]
-    ecfg = cfg["eval"]
+    ecfg = cfg.eval
     summary: dict = {}
     for name, (items, paths) in protocols.items():
         start = time.time()
-        batch = ecfg["batch_size"] if name == "continuations" else ecfg["natural"]["batch_size"]
+        batch = ecfg.batch_size if name == "continuations" else ecfg.natural.batch_size
         items = order_items(items)
         flat = [d for variant in drafters for _, d in variant]
         tallies = iter(chain_tallies(flat, target, items, aux, steps, batch, rt.device, rt.dtype))
         seconds = time.time() - start
         for dirs, variant, path in zip(groups, drafters, paths):
             result = seeds_record([s for s, _ in variant], [next(tallies) for _ in variant], items, steps,
-                                  ecfg["bootstrap_samples"], cfg["seed"], ecfg["min_rounds"], ecfg["context_buckets"],
-                                  ecfg["min_sequences"])
+                                  ecfg.bootstrap_samples, cfg.seed, ecfg.min_rounds, ecfg.context_buckets,
+                                  ecfg.min_sequences)
             first = variant[0][1]
-            result.update(protocol=name, max_repetition=ecfg["max_repetition"],
+            result.update(protocol=name, max_repetition=ecfg.max_repetition,
                           variant=drafter_variant(dirs[0]), drafters=[str(d) for d in dirs],
                           paradigm=first.cfg.paradigm, layers=first.cfg.num_layers, seconds=seconds,
                           device=rt.device, threads=rt.threads)

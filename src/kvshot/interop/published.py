@@ -31,6 +31,7 @@ from kvshot.drafters.hidden import HiddenDrafter
 from kvshot.interop.export import (EAGLE3_NAMES, FC_NORM_NAMES, FormatError, read_eagle3, target_config,
                                    target_embedding)
 from kvshot.interop.head_config import AUX_CONVENTIONS, NORM_OUTPUT_CONVENTIONS, layout_of, read_head_config
+from kvshot.settings import Config
 
 LAYOUTS = ("eagle3", "speculators")
 detect_layout = layout_of
@@ -247,31 +248,31 @@ def import_eagle3(ckpt_dir: str | Path, target_dir: str | Path, out_dir: str | P
     return import_head(ckpt_dir, target_dir, out_dir, layout, aux_convention, extra_files, overrides)
 
 
-def import_variant(cfg: dict, name: str, target_dir: str, features_dir: str, out_dir: str) -> dict:
+def import_variant(cfg: Config, name: str, target_dir: str, features_dir: str, out_dir: str) -> dict:
     """The `train-drafter` stage for a variant whose weights come from a path: import, no
     training. The head must fuse the target layers the features hold (eval reads those)."""
-    from kvshot.train.variants import variant_config
+    from kvshot.train.variants import variant_config, variant_record
 
     v = variant_config(cfg, name)
     where = f"config: drafters.variants.{name}"
-    layout = v["format"]
-    if layout not in LAYOUTS or v["paradigm"] != "hidden" or v["layers"] != 1:
+    layout = v.format
+    if layout not in LAYOUTS or v.paradigm != "hidden" or v.layers != 1:
         raise FormatError(f"{where}: weights: only a one-layer hidden-paradigm head in format eagle3 or speculators "
                           "can be imported")
     index = Path(features_dir) / "index.json"
     held = read_json(index)["spec"]["aux_layers"] if index.is_file() else None
-    weights = resolve_weights(v["weights"])   # a path, or hub:REPO@REVISION from the HF cache
-    overrides = {k: v[k] for k in ("norm_output_convention", "norm_before_residual") if k in v}
-    aux = head_aux_layers(weights, target_config(target_dir)["num_hidden_layers"], v.get("aux_convention"), overrides)
+    weights = resolve_weights(v.weights)   # a path, or hub:REPO@REVISION from the HF cache
+    overrides = {} if v.norm_output_convention is None else {"norm_output_convention": v.norm_output_convention}
+    aux = head_aux_layers(weights, target_config(target_dir)["num_hidden_layers"], v.aux_convention, overrides)
     if held is not None and list(aux) != list(held):
         raise FormatError(f"{where}.weights: the head fuses target layers {list(aux)} (hidden_states indices), the "
                           f"features hold {list(held)} (set features.aux_layers to match)")
     metrics = {"variant": name, "paradigm": "hidden", "layers": 1, "steps": 0, "stopped_by": "imported",
-               "imported_from": v["weights"], "train_seconds": 0.0}
+               "imported_from": v.weights, "train_seconds": 0.0}
     # the files a trained drafter's folder has (the report reads them); no training log
     summary = import_eagle3(weights, target_dir, out_dir,
-                            {"metrics.json": metrics, "train_log.json": [], "variant.json": v},
-                            layout, v.get("aux_convention"), overrides)
+                            {"metrics.json": metrics, "train_log.json": [], "variant.json": variant_record(v)},
+                            layout, v.aux_convention, overrides)
     return {**metrics, "draft_vocab_size": summary["draft_vocab_size"]}
 
 

@@ -35,7 +35,6 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from kvshot.capture.features import batch_rows, open_features, pad_batch
 from kvshot.capture.target import heldout_loss
-from kvshot.checks import all_variants
 from kvshot.config import Runtime, feature_spec
 from kvshot.drafters import attention as attention_backends
 from kvshot.drafters.unroll import label_positions, training_forward
@@ -44,6 +43,7 @@ from kvshot.evaluate.e2e import specs
 from kvshot.evaluate.references import greedy_continuations, greedy_rollouts
 from kvshot.evaluate.stepwise import chain_correct
 from kvshot.paper_shapes.shapes import GB, ShapeMeter
+from kvshot.settings import Config
 from kvshot.train import loop as train_module
 from kvshot.train.diagnostics import grad_norms
 from kvshot.train.heldout import evaluate
@@ -100,9 +100,9 @@ def ddp_buckets_alias_grads() -> bool:
     return "gradient_as_bucket_view=True" in inspect.getsource(train_module.setup_member)
 
 
-def config_arch(cfg: dict) -> dict:
+def config_arch(cfg: Config) -> dict:
     """The shapes of the config's pretrained target (QWEN3_ARCHS by hub name); Qwen3-8B otherwise."""
-    return QWEN3_ARCHS.get(cfg["target"]["name"], QWEN3_8B)
+    return QWEN3_ARCHS.get(cfg.target.name, QWEN3_8B)
 
 
 @dataclass
@@ -210,27 +210,27 @@ def token_folder(folder: Path, samples: int, length: int, spec, pad_id: int = 0)
 class PaperShapes:
     """The paper config's shapes and one ShapeMeter-built target, shared by every row."""
 
-    def __init__(self, cfg: dict, arch: dict | None = None, world: int | None = None):
+    def __init__(self, cfg: Config, arch: dict | None = None, world: int | None = None):
         self.cfg = cfg
         self.arch = arch or config_arch(cfg)
-        tc = cfg["drafters"]["train"]
-        self.world = world or tc["num_processes"]
-        self.length = tc["max_len"]
-        self.rt = Runtime(device="cpu", dtype=cfg["dtype"], threads=1, seed=0)
+        tc = cfg.drafters.train
+        self.world = world or tc.num_processes
+        self.length = tc.max_len
+        self.rt = Runtime(device="cpu", dtype=cfg.dtype, threads=1, seed=0)
         self.meter = ShapeMeter()
         self._tmp = tempfile.TemporaryDirectory(prefix="kvshot-shapes-")
         with self.meter:
             self.target = build_target(self.arch)
-        self.spec = feature_spec(cfg["features"], self.arch["num_hidden_layers"])
-        samples = max(tc["batch_size"], cfg["eval"]["natural"]["batch_size"])
+        self.spec = feature_spec(cfg.features, self.arch["num_hidden_layers"])
+        samples = max(tc.batch_size, cfg.eval.natural.batch_size)
         self.folder = token_folder(Path(self._tmp.name) / "features", samples, self.length, self.spec)
 
     def variants(self) -> list[str]:
-        return [v["name"] for _, v in all_variants(self.cfg)]
+        return [v.name for v in self.cfg.all_variants()]
 
     def drafter(self, name: str):
         v = variant_config(self.cfg, name)
-        d2t = torch.arange(self.cfg["drafters"]["draft_vocab_size"])   # the count is what matters
+        d2t = torch.arange(self.cfg.drafters.draft_vocab_size)   # the count is what matters
         model = build_variant(v, self.target.config, self.target.model.embed_tokens.weight.detach(), d2t, self.target)
         return v, model
 
@@ -255,17 +255,17 @@ class PaperShapes:
         copy otherwise. Nothing of the previous step is live when a step starts (the trainer
         drops it)."""
         rows: list[Row] = []
-        tc = self.cfg["drafters"]["train"]
+        tc = self.cfg.drafters.train
         m = self.member(name)
         src = open_features(self.folder, self.rt, model=self.target)
         src.read_only(m.model.cfg.kv_layers, m.model.reads_aux_hidden)
         head_w = self.target.lm_head.weight.detach()
         with self._measure(rows, "train_drafter", name, "step", 1):
-            batch = src.batch(list(range(tc["batch_size"] // self.world)))   # the online target forward
+            batch = src.batch(list(range(tc.batch_size // self.world)))   # the online target forward
             self.member_step(m, batch, head_w)   # the batch still live: a logging step without probe batches keeps it
             del batch
         kv = bool(m.model.kv_attentions())
-        share = tc["batch_size"] // self.world   # one rank's share of a global evaluation batch (DDP: `evaluate`)
+        share = tc.batch_size // self.world   # one rank's share of a global evaluation batch (DDP: `evaluate`)
         with self._measure(rows, "train_drafter evaluate", name, "sequence", share):
             evaluate(m.model, src, head_w, m.steps, share, 1, self.target if kv else None, self.rt.dtype)
         del m
@@ -276,7 +276,7 @@ class PaperShapes:
         AdamW with its state (from the second step on: a steady step), DDP's buckets.
         embed_from: a drafter whose frozen embedding it shares, as a group's members do
         (`train.loop.setup_member`)."""
-        tc, dcfg = self.cfg["drafters"]["train"], self.cfg["drafters"]
+        tc, dcfg = self.cfg.drafters.train, self.cfg.drafters
         ddp = self.world > 1
         with self.meter:
             v, model = self.drafter(name)
@@ -285,7 +285,7 @@ class PaperShapes:
             model.train()
             steps, decay = objective(model, dcfg, v)
             params = [p for p in model.parameters() if p.requires_grad]
-            opt = torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"], betas=(0.9, 0.95),
+            opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95),
                                     foreach=True)   # CUDA's default: foreach
             for p in params:   # AdamW's state exists from the second step on: measure a steady step
                 p.grad = torch.zeros_like(p)
@@ -298,7 +298,7 @@ class PaperShapes:
 
     def member_step(self, m: SimpleNamespace, batch: dict, head_w: torch.Tensor) -> None:
         """One drafter's logging step on a batch in hand, as `train.train_step` runs it."""
-        tc = self.cfg["drafters"]["train"]
+        tc = self.cfg.drafters.train
         labels = target_labels(batch["last_hidden"], head_w, m.model.d2t, positions=label_positions(batch))
         local = [float(scored_tokens(batch, labels, m.model.t2d, k)[1].sum()) for k in range(m.steps)]
         denominators = [max(x, 1.0) for x in local]
@@ -309,7 +309,7 @@ class PaperShapes:
         loss.backward()
         del un, losses, loss, labels   # the trainer drops the logits, labels and graph here
         grad_norms(m.groups)   # a logging step: the trainer's own function
-        torch.nn.utils.clip_grad_norm_(m.params, tc["grad_clip"])
+        torch.nn.utils.clip_grad_norm_(m.params, tc.grad_clip)
         m.opt.step()
         m.opt.zero_grad(set_to_none=self.world == 1)
 
@@ -317,9 +317,9 @@ class PaperShapes:
     def stepwise_row(self, name: str) -> Row:
         """eval_stepwise, natural protocol: one batch of prefixes of the longest length."""
         rows: list[Row] = []
-        ncfg = self.cfg["eval"]["natural"]
-        steps = self.cfg["drafters"]["ttt_steps"]
-        prefix, rollout, batch = ncfg["max_prefix_len"], ncfg["rollout_tokens"], ncfg["batch_size"]
+        ncfg = self.cfg.eval.natural
+        steps = self.cfg.drafters.ttt_steps
+        prefix, rollout, batch = ncfg.max_prefix_len, ncfg.rollout_tokens, ncfg.batch_size
         items = [{"prompt": [1] * prefix, "continuation": [1] * rollout, "anchors": [prefix - 1]}
                  for _ in range(batch)]
         with self.meter:
@@ -338,7 +338,7 @@ class PaperShapes:
         with self.meter:
             _, model = self.drafter(name)
             model.eval()
-        ids = torch.ones(1, self.cfg["eval"]["natural"]["max_prefix_len"], dtype=torch.long)
+        ids = torch.ones(1, self.cfg.eval.natural.max_prefix_len, dtype=torch.long)
         aux = self.spec.aux_layers if model.reads_aux_hidden else None
         for mode, spec in specs(self.cfg).items():
             if mode not in modes or (mode != "chain" and getattr(model, "block_wise", False)):
@@ -354,24 +354,24 @@ class PaperShapes:
     # ------------------------------------------------------------ the target's own rules
     def target_rows(self, new_tokens: int) -> list[Row]:
         rows: list[Row] = []
-        tp = self.cfg["target"]["pretrain"]
-        blocks = torch.ones(tp["batch_size"], tp["block_size"], dtype=torch.long)
-        with self._measure(rows, "target heldout loss", self.cfg["target"]["name"] or "target", "token", blocks.numel()):
-            heldout_loss(self.target, blocks, tp["batch_size"], "cpu")
-        ecfg, ncfg = self.cfg["eval"], self.cfg["eval"]["natural"]
+        tp = self.cfg.target.pretrain
+        blocks = torch.ones(tp.batch_size, tp.block_size, dtype=torch.long)
+        with self._measure(rows, "target heldout loss", self.cfg.target.name or "target", "token", blocks.numel()):
+            heldout_loss(self.target, blocks, tp.batch_size, "cpu")
+        ecfg, ncfg = self.cfg.eval, self.cfg.eval.natural
         stub = SimpleNamespace(eos_token_id=None, pad_token_id=0)   # no EOS: every generation runs its length
-        prompt = [1] * ecfg["max_prompt_len"]
+        prompt = [1] * ecfg.max_prompt_len
         with self._measure(rows, "target_continuations prefill", "batch 1", "prompt", 1):
             greedy_continuations(self.target, stub, [prompt], 1, "cpu")
         with self._measure(rows, "target_continuations decode", "batch 1", "token", new_tokens - 1):
             greedy_continuations(self.target, stub, [prompt], new_tokens, "cpu")
         rows[-1].tflop -= rows[-2].tflop   # the tokens after the first: the prefill left out
-        prompts = [[1] * ncfg["max_prefix_len"]] * ncfg["batch_size"]
-        with self._measure(rows, "target_continuations natural", f"batch {ncfg['batch_size']}", "anchor",
-                           ncfg["batch_size"]):
-            greedy_rollouts(self.target, prompts, ncfg["rollout_tokens"], None, 0, "cpu", ncfg["batch_size"])
-        fcfg = self.cfg["features"]
-        n = max(1, fcfg["batch_tokens"] // self.length)
+        prompts = [[1] * ncfg.max_prefix_len] * ncfg.batch_size
+        with self._measure(rows, "target_continuations natural", f"batch {ncfg.batch_size}", "anchor",
+                           ncfg.batch_size):
+            greedy_rollouts(self.target, prompts, ncfg.rollout_tokens, None, 0, "cpu", ncfg.batch_size)
+        fcfg = self.cfg.features
+        n = max(1, fcfg.batch_tokens // self.length)
         batch = pad_batch([{"input_ids": torch.ones(self.length, dtype=torch.int32),
                             "loss_mask": torch.ones(self.length, dtype=torch.uint8)}] * n)
         with self._measure(rows, "capture_features offline", f"batch {n}", "token", n * self.length):

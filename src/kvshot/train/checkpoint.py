@@ -13,6 +13,8 @@ import torch
 
 from kvshot.config import Runtime
 from kvshot.core.integrity import content_digest, folder_digest
+from kvshot.settings import Config
+from kvshot.train.variants import Variant, variant_record
 
 # settings that do not change what is trained: a checkpoint made under other values resumes.
 # The process count: each step's samples are the global batch's, split by rank, and DDP averages
@@ -32,16 +34,19 @@ def _trains_alike(key: str, value, ignored: tuple[str, ...] = NOT_FINGERPRINTED)
     return key in ignored or (key == "length_grouping" and int(value or 0) <= 1)
 
 
-def _digest(v: dict, cfg: dict, rt: Runtime, inputs: dict, ignored: tuple[str, ...]) -> str:
+def _digest(variant: Variant, cfg: Config, rt: Runtime, inputs: dict, ignored: tuple[str, ...]) -> str:
+    v = variant_record(variant)
     v = {**v, "train": {k: x for k, x in v["train"].items() if not _trains_alike(k, x, ignored)}}
-    key = {"variant": v, "seed": cfg["seed"], "dtype": rt.dtype,
-           "drafters": {k: cfg["drafters"][k] for k in ("ttt_steps", "step_decay", "draft_vocab_size")}, **inputs}
-    if v["paradigm"] == "block":   # the block objective's position weights
-        key["block_position_decay"] = cfg["drafters"].get("block_position_decay")
+    dcfg = cfg.drafters
+    key = {"variant": v, "seed": cfg.seed, "dtype": rt.dtype,
+           "drafters": {"ttt_steps": dcfg.ttt_steps, "step_decay": dcfg.step_decay,
+                        "draft_vocab_size": dcfg.draft_vocab_size}, **inputs}
+    if variant.paradigm == "block":   # the block objective's position weights
+        key["block_position_decay"] = dcfg.block_position_decay
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def fingerprint(v: dict, cfg: dict, rt: Runtime, train_dir: str, eval_dir: str, target_dir: str,
+def fingerprint(v: Variant, cfg: Config, rt: Runtime, train_dir: str, eval_dir: str, target_dir: str,
                 val_dir: str) -> str:
     """What a checkpoint must match to be resumed: what changes the trained model, i.e. the
     variant (model and its training settings: global batch, lr, schedule, steps, lengths,

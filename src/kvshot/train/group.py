@@ -18,10 +18,12 @@ walks the members in the same order, so their collectives pair up.
 from __future__ import annotations
 
 import shutil
+from dataclasses import asdict
 
 from kvshot.checks import GROUP_SHARED, stream_settings
 from kvshot.config import ConfigError, Runtime
 from kvshot.core.progress import Progress
+from kvshot.settings import Config
 from kvshot.train.diagnostics import diagnostic_batches
 from kvshot.train.loop import (Run, StoppedForRuntime, checkpoint, evaluate_heldout, fetch_batch, finish, heldout_due,
                                log, open_shared, setup_member, step_ids, stop_for_time, train_step)
@@ -31,7 +33,7 @@ def check_members(runs: list[Run]) -> None:
     """Members read one stream of batches: the same samples (n), batch size, cut and order."""
     first = runs[0]
     for run in runs[1:]:   # the samples, their cut and their order
-        for key, a, b in zip(GROUP_SHARED, stream_settings(first.tc), stream_settings(run.tc)):
+        for key, a, b in zip(GROUP_SHARED, stream_settings(asdict(first.tc)), stream_settings(asdict(run.tc))):
             if a != b:
                 raise ConfigError(f"config: drafters.group_training: {first.name} and {run.name} train with "
                                   f"{key} {a} and {b}: a group reads one stream of batches")
@@ -53,9 +55,9 @@ def share_probe_batches(runs: list[Run]) -> None:
     """The fixed held-out probe batches, built once (with every member's features) per size."""
     built: dict[int, list] = {}
     for run in runs:
-        count = run.tc["diagnostic_sequences"]
+        count = run.tc.diagnostic_sequences
         if count not in built:
-            built[count] = diagnostic_batches(run.shared.val_src, count, run.tc["max_len"], run.rt.device)
+            built[count] = diagnostic_batches(run.shared.val_src, count, run.tc.max_len, run.rt.device)
         run.probe_batches = built[count]
 
 
@@ -76,8 +78,8 @@ def _stop_all_for_runtime(runs: list[Run]) -> None:
         checkpoint(run)
         run.bar.close()
     first = runs[0]
-    where = ", ".join(f"{r.name} at step {r.progress['step']} of {r.tc['max_steps']}" for r in runs)
-    msg = (f"train group: stopped {where}, {first.tc['stop_margin_minutes']} min before the job's "
+    where = ", ".join(f"{r.name} at step {r.progress['step']} of {r.tc.max_steps}" for r in runs)
+    msg = (f"train group: stopped {where}, {first.tc.stop_margin_minutes} min before the job's "
            f"{first.runtime_minutes} min runtime; checkpoints {', '.join(str(r.ckpt) for r in runs)}; "
            "a rerun resumes from them")
     if first.rank == 0:
@@ -85,7 +87,7 @@ def _stop_all_for_runtime(runs: list[Run]) -> None:
     raise StoppedForRuntime(msg)
 
 
-def train_group(cfg: dict, rt: Runtime, names: list[str], train_dir: str, eval_dir: str, target_dir: str,
+def train_group(cfg: Config, rt: Runtime, names: list[str], train_dir: str, eval_dir: str, target_dir: str,
                 out_dirs: list[str], runtime_minutes: float | None = None, val_dir: str | None = None,
                 ckpt_dirs: list[str] | None = None) -> dict[str, dict]:
     """Train `names` side by side into out_dirs (one each); ckpt_dirs: each member's checkpoint
@@ -103,7 +105,7 @@ def train_group(cfg: dict, rt: Runtime, names: list[str], train_dir: str, eval_d
     share_probe_batches(runs)
     out_of = dict(zip(names, out_dirs))
     for run in runs:
-        run.bar = Progress(total=run.tc["max_steps"], initial=run.progress["step"], desc=f"train {run.name}",
+        run.bar = Progress(total=run.tc.max_steps, initial=run.progress["step"], desc=f"train {run.name}",
                            unit="step", disable=run.rank != 0)
         run.model.train()
     results: dict[str, dict] = {}
@@ -121,7 +123,7 @@ def train_group(cfg: dict, rt: Runtime, names: list[str], train_dir: str, eval_d
             if heldout_due(run) and evaluate_heldout(run):
                 p["stopped_by"] = "plateau"
                 leave(run)
-            elif p["step"] >= run.tc["max_steps"]:
+            elif p["step"] >= run.tc.max_steps:
                 leave(run)
         for run in list(active):
             if run.steps_here:   # each attempt trains every member at least one step
@@ -137,13 +139,13 @@ def train_group(cfg: dict, rt: Runtime, names: list[str], train_dir: str, eval_d
             if ids not in batches:
                 batches[ids] = fetch_batch(run, list(ids))
             p = run.progress
-            logging = p["step"] % run.tc["log_every"] == 0 or p["step"] + 1 == run.tc["max_steps"]
+            logging = p["step"] % run.tc.log_every == 0 or p["step"] + 1 == run.tc.max_steps
             s = train_step(run, logging, batches[ids])
             if logging:
                 log(run, s)
             del s
             run.bar.update(1)
-            if p["step"] % run.tc["ckpt_every"] == 0 and p["step"] < run.tc["max_steps"]:
+            if p["step"] % run.tc.ckpt_every == 0 and p["step"] < run.tc.max_steps:
                 checkpoint(run)
         del batches
     if runs[0].rank == 0:   # every member saved: nothing left to resume

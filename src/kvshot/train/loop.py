@@ -29,7 +29,9 @@ from kvshot.train.diagnostics import (GradientPositions, attention_summary, atte
                                       kv_key_share)
 from kvshot.train.heldout import all_sum, evaluate, heldout_point, plateaued
 from kvshot.train.objective import objective, step_losses, target_labels, weighted_loss
-from kvshot.train.variants import build_variant, draft_vocab, held_back, param_groups, variant_config
+from kvshot.settings import Config, TrainSettings, to_dict
+from kvshot.train.variants import (Variant, build_variant, draft_vocab, held_back, param_groups, variant_config,
+                                   variant_record)
 
 
 # ---------------------------------------------------------------- the loss's scale
@@ -101,7 +103,7 @@ class Shared:
 class Run:
     """One variant's training: what `setup` built, and `progress`, what a checkpoint saves."""
     name: str
-    v: dict
+    v: Variant
     rt: Runtime
     shared: Shared              # the accelerator, target and feature sources (those of its group)
     n: int                      # the train samples read
@@ -133,8 +135,8 @@ class Run:
     group: list[str] | None = None   # the drafters trained side by side with this one (`train.group`)
 
     @property
-    def tc(self) -> dict:
-        return self.v["train"]
+    def tc(self) -> TrainSettings:
+        return self.v.train
 
     @property
     def world(self) -> int:
@@ -161,12 +163,12 @@ class Step:
     totals: list[float]   # summed over processes: the objective, ce_sum_k, correct_k, acc_n_k, scored_k
 
 
-def open_shared(cfg: dict, rt: Runtime, train_dir: str, eval_dir: str, target_dir: str,
+def open_shared(cfg: Config, rt: Runtime, train_dir: str, eval_dir: str, target_dir: str,
                 val_dir: str | None) -> Shared:
     """Seed, the accelerator, the target and the feature sources: once per job."""
     from accelerate import Accelerator
 
-    use_attention(cfg["drafters"]["attention"])
+    use_attention(cfg.drafters.attention)
     accel = Accelerator(cpu=rt.device == "cpu")
     torch.manual_seed(rt.seed)
     random.seed(rt.seed)
@@ -183,7 +185,7 @@ def open_shared(cfg: dict, rt: Runtime, train_dir: str, eval_dir: str, target_di
                   heldout_split=heldout_split, val_dir=val_dir, rng=(torch.get_rng_state(), random.getstate()))
 
 
-def setup_member(cfg: dict, rt: Runtime, shared: Shared, name: str, train_dir: str, eval_dir: str, target_dir: str,
+def setup_member(cfg: Config, rt: Runtime, shared: Shared, name: str, train_dir: str, eval_dir: str, target_dir: str,
                  out_dir: str, runtime_minutes: float | None, ckpt_dir: str | None = None,
                  group: list[str] | None = None, embed_from: Drafter | None = None) -> Run:
     """Build one drafter on the shared target and features, make its optimizer, and resume its
@@ -191,19 +193,19 @@ def setup_member(cfg: dict, rt: Runtime, shared: Shared, name: str, train_dir: s
     side (`train.group`): the caller then sets what the batches carry and the probe batches for
     all of them. embed_from: a drafter whose frozen copy of the target's embedding this one shares."""
     v = variant_config(cfg, name)
-    tc, dcfg = v["train"], cfg["drafters"]
-    deadline = stop_deadline(runtime_minutes, tc["stop_margin_minutes"])
+    tc, dcfg = v.train, cfg.drafters
+    deadline = stop_deadline(runtime_minutes, tc.stop_margin_minutes)
     accel, target, train_src, eval_src, val_src = (shared.accel, shared.target, shared.train_src, shared.eval_src,
                                                    shared.val_src)
     world, rank = accel.num_processes, accel.process_index
-    n = min(len(train_src), tc.get("train_samples") or len(train_src))   # the data-scaling knob
-    if tc["batch_size"] % world:
-        raise ConfigError(f"config: drafters.train.batch_size: {tc['batch_size']} is not divisible by {world} processes")
-    if n < tc["batch_size"]:
-        raise ConfigError(f"config: drafters.train.batch_size: {tc['batch_size']} is more than the {n} train samples")
-    key = (dcfg["draft_vocab_size"], n)
+    n = min(len(train_src), tc.train_samples or len(train_src))   # the data-scaling knob
+    if tc.batch_size % world:
+        raise ConfigError(f"config: drafters.train.batch_size: {tc.batch_size} is not divisible by {world} processes")
+    if n < tc.batch_size:
+        raise ConfigError(f"config: drafters.train.batch_size: {tc.batch_size} is more than the {n} train samples")
+    key = (dcfg.draft_vocab_size, n)
     if key not in shared.d2t:
-        shared.d2t[key] = draft_vocab(train_src, dcfg["draft_vocab_size"], target.config.vocab_size, n)
+        shared.d2t[key] = draft_vocab(train_src, dcfg.draft_vocab_size, target.config.vocab_size, n)
     torch.set_rng_state(shared.rng[0])   # every drafter starts from the RNG state it would see alone
     random.setstate(shared.rng[1])
     model = build_variant(v, target.config, target.model.embed_tokens.weight.detach(), shared.d2t[key],
@@ -219,9 +221,9 @@ def setup_member(cfg: dict, rt: Runtime, shared: Shared, name: str, train_dir: s
         for src in (train_src, eval_src, val_src):   # batches carry (and online: compute) only what this variant reads
             src.read_only(model.cfg.kv_layers, model.reads_aux_hidden)
     params = [p for p in model.parameters() if p.requires_grad]   # fp32: so is the optimizer state
-    opt = torch.optim.AdamW(params, lr=tc["lr"], weight_decay=tc["weight_decay"], betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_at(s, tc["max_steps"], tc["warmup_steps"], tc["min_lr_ratio"]))
+        opt, lambda s: lr_at(s, tc.max_steps, tc.warmup_steps, tc.min_lr_ratio))
 
     ckpt = Path(ckpt_dir or f"{out_dir}.ckpt") / "checkpoint.pt"
     fp = fingerprint(v, cfg, rt, train_dir, eval_dir, target_dir, shared.val_dir)
@@ -245,17 +247,17 @@ def setup_member(cfg: dict, rt: Runtime, shared: Shared, name: str, train_dir: s
         torch.nn.parallel.DistributedDataParallel(training_forward(model), gradient_as_bucket_view=True)
     live = JsonLines(ckpt.parent / "train_log.jsonl",
                      sorted(progress["log"] + progress["heldout"], key=lambda r: r["step"]), enabled=rank == 0)
-    grouping = int(tc.get("length_grouping") or 0)
-    lengths = sample_lengths(train_src, n, tc["max_len"])
+    grouping = int(tc.length_grouping or 0)
+    lengths = sample_lengths(train_src, n, tc.max_len)
     index = train_src.index
     share = index["assistant_tokens"] / index["tokens"] if index.get("assistant_tokens") and index.get("tokens") else 1.0
-    budget = token_budget(lengths, tc["batch_size"], steps_k, share)
+    budget = token_budget(lengths, tc.batch_size, steps_k, share)
     return Run(
         name=name, v=v, rt=rt, shared=shared, n=n, model=model, head_w=target.lm_head.weight.detach(),
         groups=param_groups(model), waiting=held_back(model, v), ddp=ddp, steps_k=steps_k, decay=decay, params=params,
         opt=opt, sched=sched, ckpt=ckpt, progress=progress, saved_step=saved_step, live=live,
         # the validation split: held out like eval, and what training-time measurements read (not the eval anchors)
-        probe_batches=[] if group else diagnostic_batches(val_src, tc["diagnostic_sequences"], tc["max_len"], rt.device),
+        probe_batches=[] if group else diagnostic_batches(val_src, tc.diagnostic_sequences, tc.max_len, rt.device),
         deadline=deadline, runtime_minutes=runtime_minutes,
         lengths=lengths if grouping > 1 else None, budget=budget,
         denominators=loss_denominators(budget, world, rt.device), group=group)
@@ -266,7 +268,7 @@ def _same_frozen(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.device == b.device and torch.equal(a, b))
 
 
-def setup(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, target_dir: str, out_dir: str,
+def setup(cfg: Config, rt: Runtime, name: str, train_dir: str, eval_dir: str, target_dir: str, out_dir: str,
           runtime_minutes: float | None, val_dir: str | None) -> Run:
     """Build the drafter, open the features, make the optimizer, and resume a checkpoint."""
     shared = open_shared(cfg, rt, train_dir, eval_dir, target_dir, val_dir)
@@ -275,18 +277,18 @@ def setup(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, targ
 
 def step_ids(run: Run) -> list[int]:
     """This process's share of the next step's samples (a new epoch when the rest fills no batch)."""
-    p, bs = run.progress, run.tc["batch_size"]
+    p, bs = run.progress, run.tc.batch_size
     if p["cursor"] + bs > run.n:
         p["epoch"], p["cursor"] = p["epoch"] + 1, 0
     if run.order is None or run.order[0] != p["epoch"]:
-        group = int(run.tc.get("length_grouping") or 0)
+        group = int(run.tc.length_grouping or 0)
         run.order = (p["epoch"], epoch_order(run.n, run.rt.seed, p["epoch"], bs, group, run.lengths))
     return run.order[1][p["cursor"]: p["cursor"] + bs][run.rank::run.world]
 
 
 def fetch_batch(run: Run, ids: list[int]) -> dict[str, torch.Tensor]:
     """This process's samples `ids`, cut to max_len, on the device (online: the target's forward)."""
-    return {k: t.to(run.rt.device) for k, t in _truncate(run.shared.train_src.batch(ids), run.tc["max_len"]).items()}
+    return {k: t.to(run.rt.device) for k, t in _truncate(run.shared.train_src.batch(ids), run.tc.max_len).items()}
 
 
 def train_step(run: Run, logging: bool, batch: dict[str, torch.Tensor] | None = None) -> Step:
@@ -319,11 +321,11 @@ def train_step(run: Run, logging: bool, batch: dict[str, torch.Tensor] | None = 
     tokens = batch["attention_mask"].sum()
     if not (logging and not run.probe_batches):   # the log measures on this batch only without probe batches
         batch = None
-    if step < int(run.v.get("kv_warmup_steps") or 0):   # hybrid-warm: no update outside the KV branch yet
+    if step < int(run.v.kv_warmup_steps or 0):   # hybrid-warm: no update outside the KV branch yet
         for p in run.waiting:                              # (AdamW skips grad None)
             p.grad = None
     norms = grad_norms(run.groups) if logging else None
-    total_norm = torch.nn.utils.clip_grad_norm_(run.params, tc["grad_clip"])
+    total_norm = torch.nn.utils.clip_grad_norm_(run.params, tc.grad_clip)
     # per step: the summed per-token loss (the log's per-token mean divides it by the summed count)
     ce_sums = torch.stack(losses).float() * run.denominators
     local = torch.cat([(~torch.isfinite(loss)).float().view(1), loss.float().view(1), ce_sums,
@@ -339,7 +341,7 @@ def train_step(run: Run, logging: bool, batch: dict[str, torch.Tensor] | None = 
     run.opt.step()
     run.sched.step()
     run.opt.zero_grad(set_to_none=True)
-    run.progress["cursor"] += tc["batch_size"]
+    run.progress["cursor"] += tc.batch_size
     run.progress["step"] = step + 1
     run.tokens = run.tokens + tokens
     run.steps_here += 1
@@ -401,14 +403,14 @@ def log(run: Run, s: Step) -> None:
     tok_s = int(run.tokens) * world / max(time.time() - run.start, 1e-9)
     run.bar.set_postfix(loss=round(loss, 4), acc0=round(rec["acc_k"][0], 3), lr=rec["lr"], tok_s=round(tok_s))
     # the loss log, one flushed line per log_every steps (progress lines fill gaps over 30 s)
-    run.bar.write(f"train {run.name}: step {s.step + 1}/{run.tc['max_steps']} loss {loss:.4f} "
+    run.bar.write(f"train {run.name}: step {s.step + 1}/{run.tc.max_steps} loss {loss:.4f} "
                   f"acc0 {rec['acc_k'][0]:.3f} lr {rec['lr']:.3g} tokens/s {tok_s:.0f}")
 
 
 def heldout_due(run: Run) -> bool:
     """An eval_every step without its held-out point (also one resumed from the checkpoint
     written just before that point: a crash in the evaluation loses no training)."""
-    every, p = run.tc.get("eval_every") or 0, run.progress
+    every, p = run.tc.eval_every or 0, run.progress
     return bool(every) and p["step"] > 0 and p["step"] % every == 0 and \
         not (p["heldout"] and p["heldout"][-1]["step"] == p["step"])
 
@@ -417,15 +419,15 @@ def evaluate_heldout(run: Run) -> bool:
     """A point of the held-out curve, each process on its share of the batches; True when the
     plateau rule stops training (every process decides alike on the same all-reduced numbers)."""
     tc, step = run.tc, run.progress["step"]
-    point = heldout_point(run.model, run.shared.val_src, run.head_w, run.steps_k, run.decay, tc["batch_size"],
-                          tc["eval_batches"], run.rt.dtype, step, rank=run.rank, world=run.world)
+    point = heldout_point(run.model, run.shared.val_src, run.head_w, run.steps_k, run.decay, tc.batch_size,
+                          tc.eval_batches, run.rt.dtype, step, rank=run.rank, world=run.world)
     run.progress["heldout"].append(point)
     run.live.append(point)
     run.bar.write(f"train {run.name}: step {step} held-out loss {point['heldout_loss']:.4f} "
                   f"acc0 {point['heldout_acc_k'][0]:.3f}")
-    plateau = tc.get("plateau")
-    return bool(plateau) and plateaued(run.progress["heldout"], plateau["patience"], plateau["min_delta"],
-                                       plateau["min_acc_delta"])
+    plateau = tc.plateau
+    return plateau is not None and plateaued(run.progress["heldout"], plateau.patience, plateau.min_delta,
+                                             plateau.min_acc_delta)
 
 
 def checkpoint(run: Run) -> None:
@@ -439,7 +441,7 @@ def stop_for_time(run: Run) -> str | None:
     """'runtime' past the job's deadline (checkpoint and raise StoppedForRuntime), 'max_minutes'
     past the training budget (finish with the steps done), on any process; else None."""
     now = time.time()
-    over_budget, over_runtime = _any_rank(run.shared.accel, now - run.start > 60 * run.tc["max_minutes"],
+    over_budget, over_runtime = _any_rank(run.shared.accel, now - run.start > 60 * run.tc.max_minutes,
                                           run.deadline is not None and now > run.deadline)
     return "runtime" if over_runtime else "max_minutes" if over_budget else None
 
@@ -448,8 +450,8 @@ def stop_for_runtime(run: Run) -> None:
     run.progress["stopped_by"] = "runtime"
     checkpoint(run)
     run.bar.close()
-    msg = (f"train {run.name}: stopped at step {run.progress['step']} of {run.tc['max_steps']}, "
-           f"{run.tc['stop_margin_minutes']} min before the job's {run.runtime_minutes} min runtime; "
+    msg = (f"train {run.name}: stopped at step {run.progress['step']} of {run.tc.max_steps}, "
+           f"{run.tc.stop_margin_minutes} min before the job's {run.runtime_minutes} min runtime; "
            f"checkpoint {run.ckpt}; a rerun resumes from it")
     if run.rank == 0:
         print(msg, flush=True)
@@ -460,8 +462,8 @@ def finish(run: Run, out_dir: str, remove_checkpoint: bool = True) -> dict:
     """The final teacher-forced evaluation (every process its share), metrics.json and the
     saved drafter; the checkpoint goes (a group removes its members' once all are saved)."""
     seconds, p, tc, model = time.time() - run.start, run.progress, run.tc, run.model
-    plateau = tc.get("plateau") or {}
-    metrics = {"variant": run.name, "paradigm": run.v["paradigm"], "layers": run.v["layers"], "steps": p["step"],
+    plateau = to_dict(tc.plateau) if tc.plateau is not None else None
+    metrics = {"variant": run.name, "paradigm": run.v.paradigm, "layers": run.v.layers, "steps": p["step"],
                "stopped_by": p.get("stopped_by", "max_steps"), "seed": run.rt.seed, "train_samples": run.n,
                "heldout_curve": p["heldout"], "heldout_split": run.shared.heldout_split, "plateau_rule": plateau or None,
                "resumed_from": p["resumed_from"], "world_size": run.world, "train_seconds": seconds,
@@ -471,11 +473,11 @@ def finish(run: Run, out_dir: str, remove_checkpoint: bool = True) -> dict:
                "dtype": run.rt.dtype, "device": run.rt.device}
     if run.group and len(run.group) > 1:   # trained side by side, on the same batches (`train.group`)
         metrics["group"] = run.group
-    metrics["eval"] = evaluate(model, run.shared.eval_src, run.head_w, run.steps_k, tc["batch_size"], tc["eval_batches"],
+    metrics["eval"] = evaluate(model, run.shared.eval_src, run.head_w, run.steps_k, tc.batch_size, tc.eval_batches,
                                run.shared.target if model.kv_attentions() else None, run.rt.dtype,
                                rank=run.rank, world=run.world)
     if run.rank == 0:
-        model.save(out_dir, {"metrics.json": metrics, "train_log.json": p["log"], "variant.json": run.v})
+        model.save(out_dir, {"metrics.json": metrics, "train_log.json": p["log"], "variant.json": variant_record(run.v)})
         shutil.copyfile(run.live.path, Path(out_dir) / "train_log.jsonl")   # the live log, training and held-out lines
         if remove_checkpoint:   # the drafter is saved: nothing left to resume
             shutil.rmtree(run.ckpt.parent, ignore_errors=True)
@@ -483,7 +485,7 @@ def finish(run: Run, out_dir: str, remove_checkpoint: bool = True) -> dict:
     return metrics
 
 
-def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: str, target_dir: str,
+def train_variant(cfg: Config, rt: Runtime, name: str, train_dir: str, eval_dir: str, target_dir: str,
                   out_dir: str, runtime_minutes: float | None = None, val_dir: str | None = None) -> dict:
     """Train one variant. runtime_minutes: the job's wall-clock limit; past it less
     `stop_margin_minutes` (from process start) training checkpoints and raises StoppedForRuntime.
@@ -493,14 +495,14 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
     metrics (metrics `eval`), which steer nothing."""
     run = setup(cfg, rt, name, train_dir, eval_dir, target_dir, out_dir, runtime_minutes, val_dir)
     tc, p = run.tc, run.progress
-    run.bar = Progress(total=tc["max_steps"], initial=p["step"], desc=f"train {name}", unit="step",
+    run.bar = Progress(total=tc.max_steps, initial=p["step"], desc=f"train {name}", unit="step",
                        disable=run.rank != 0)
     run.model.train()
     while True:   # after each step: its checkpoint, then its held-out point, then the stops
         if heldout_due(run) and evaluate_heldout(run):
             p["stopped_by"] = "plateau"
             break
-        if p["step"] >= tc["max_steps"]:
+        if p["step"] >= tc.max_steps:
             break
         if run.steps_here:   # each attempt trains at least one step
             stop = stop_for_time(run)
@@ -509,13 +511,13 @@ def train_variant(cfg: dict, rt: Runtime, name: str, train_dir: str, eval_dir: s
             if stop == "max_minutes":   # the training budget: finish (eval, save) with the steps done
                 p["stopped_by"] = "max_minutes"
                 break
-        logging = p["step"] % tc["log_every"] == 0 or p["step"] + 1 == tc["max_steps"]
+        logging = p["step"] % tc.log_every == 0 or p["step"] + 1 == tc.max_steps
         s = train_step(run, logging)
         if logging:
             log(run, s)
         del s   # nothing of this step is alive while the next one runs
         run.bar.update(1)
-        if p["step"] % tc["ckpt_every"] == 0 and p["step"] < tc["max_steps"]:
+        if p["step"] % tc.ckpt_every == 0 and p["step"] < tc.max_steps:
             checkpoint(run)
     run.bar.close()
     return finish(run, out_dir)

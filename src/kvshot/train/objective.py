@@ -17,6 +17,7 @@ from torch import Tensor
 from kvshot.drafters import Drafter
 from kvshot.drafters.fused import first_argmax, soft_cross_entropy
 from kvshot.drafters.unroll import Unrolled, assistant_tokens, at_rows, is_block, shift
+from kvshot.settings import DraftersSettings, VariantSettings
 
 DEFAULT_POSITION_DECAY = 1.0   # uniform position weights; 0.8 (EAGLE-3's step decay) is the ablation
 
@@ -123,11 +124,12 @@ def query_cosine(un: Unrolled, target_queries: dict[int, Tensor], kv_layers: lis
     return out
 
 
-def objective(drafter: Drafter, dcfg: dict, variant: dict | None = None) -> tuple[int, float]:
+def objective(drafter: Drafter, dcfg: DraftersSettings, variant: VariantSettings | None = None) -> tuple[int, float]:
     """(steps scored, loss weight ratio per step): the block's positions and its position decay
     (the variant's own position_decay, else drafters.block_position_decay) for a block drafter,
     the TTT unroll's K and step_decay otherwise."""
     if is_block(drafter):
-        decay = (variant or {}).get("position_decay", dcfg.get("block_position_decay"))
+        own = variant.position_decay if variant is not None else None
+        decay = own if own is not None else dcfg.block_position_decay
         return drafter.positions, DEFAULT_POSITION_DECAY if decay is None else float(decay)
-    return dcfg["ttt_steps"], dcfg["step_decay"]
+    return dcfg.ttt_steps, dcfg.step_decay
