@@ -28,14 +28,19 @@ class GGUFFile:
 
 
 @dataclass(frozen=True)
-class DataSource:
+class HubRecords:
+    """Where a `datasets` dataset's records come from (kvshot.data.sources.iter_hub_dataset)."""
+    split: str | None
+    schema: str | None              # the record layout
+    data_files: str | tuple[str, ...] | None
+    revision: str | None
+
+
+@dataclass(frozen=True)
+class DataSource(HubRecords):
     kind: str                       # sharegpt_package | sharegpt_file | hub
     path: str | None
     name: str | None
-    split: str | None
-    schema: str | None
-    data_files: str | tuple[str, ...] | None
-    revision: str | None
     max_records: int | None
 
 
@@ -60,11 +65,16 @@ class DataSettings:
 
 
 @dataclass(frozen=True)
-class TokenizerSettings:
-    source: str                     # train | pretrained | gguf
+class Origin:
+    """Where a tokenizer or target comes from: trained here, a hub id or folder, or a GGUF file."""
+    source: str
     gguf: GGUFFile | None
     name: str | None
     revision: str | None
+
+
+@dataclass(frozen=True)
+class TokenizerSettings(Origin):
     vocab_size: int
 
 
@@ -99,11 +109,7 @@ class PretrainSettings:
 
 
 @dataclass(frozen=True)
-class TargetSettings:
-    source: str                     # pretrain | pretrained | gguf
-    gguf: GGUFFile | None
-    name: str | None
-    revision: str | None
+class TargetSettings(Origin):
     attn_implementation: str
     arch: ArchSettings | None
     pretrain: PretrainSettings | None
@@ -152,28 +158,17 @@ class TrainSettings:
     train_samples: int | None
 
 
-@dataclass(frozen=True)
-class TrainOverrides:
-    """A variant's own drafters.train fields; None: drafters.train's (`TrainSettings.merged`)."""
-    batch_size: int | None
-    max_len: int | None
-    max_steps: int | None
-    max_minutes: float | None
-    stop_margin_minutes: float | None
-    lr: float | None
-    min_lr_ratio: float | None
-    warmup_steps: int | None
-    weight_decay: float | None
-    grad_clip: float | None
-    log_every: int | None
-    ckpt_every: int | None
-    eval_batches: int | None
-    diagnostic_sequences: int | None
-    length_grouping: int | None
-    eval_every: int | None
-    plateau: PlateauRule | None
-    num_processes: int | None
-    train_samples: int | None
+def _overrides_of(cls, name: str, doc: str):
+    """A frozen dataclass with `cls`'s fields, each optional (None: not overridden)."""
+    out = dataclasses.make_dataclass(name, [(f.name, f"{f.type} | None") for f in dataclasses.fields(cls)],
+                                     frozen=True)
+    out.__module__, out.__doc__ = __name__, doc
+    return out
+
+
+# the schema's train_overrides: drafters.train's fields (one list: the schema's &train_fields)
+TrainOverrides = _overrides_of(TrainSettings, "TrainOverrides",
+                               "A variant's own drafters.train fields; None: drafters.train's (`merged_train`).")
 
 
 @dataclass(frozen=True)
@@ -225,14 +220,10 @@ class TreeSettings:
 
 
 @dataclass(frozen=True)
-class BenchmarkSet:
+class BenchmarkSet(HubRecords):
     name: str
     kind: str                       # heldout | humaneval_package | hub
     dataset: str | None
-    split: str | None
-    schema: str | None
-    data_files: str | tuple[str, ...] | None
-    revision: str | None
     max_records: int | None
 
 
@@ -264,13 +255,9 @@ class NaturalSettings:
 
 
 @dataclass(frozen=True)
-class PromptSource:
+class PromptSource(HubRecords):
     kind: str
     name: str
-    split: str
-    schema: str
-    data_files: str | tuple[str, ...] | None
-    revision: str | None
 
 
 @dataclass(frozen=True)

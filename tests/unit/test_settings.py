@@ -74,6 +74,7 @@ def test_every_schema_object_has_a_dataclass_with_its_fields():
                    for f in dataclasses.fields(cls)), f"{cls.__name__}: a default belongs in the schema"
     # every dataclass of the module is reached from Config through the schema
     reached = {cls for _, _, cls in pairs}
+    reached |= {base for cls in reached for base in cls.__mro__[1:] if dataclasses.is_dataclass(base)}
     declared = {c for c in vars(settings).values() if dataclasses.is_dataclass(c) and c.__module__ == settings.__name__}
     assert declared == reached, sorted(c.__name__ for c in declared ^ reached)
 
