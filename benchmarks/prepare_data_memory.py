@@ -59,19 +59,22 @@ def synthetic_file(path: Path, n: int, seed: int = 0) -> None:
 CHILD = """
 import json, resource, sys, time
 from pathlib import Path
-from kvshot import data
+from kvshot.core.ranked_writer import atomic_write
+from kvshot.data.sources import load_sources
+from kvshot.data.split import prepare_data, split_conversations
+from kvshot.settings import DataSource, build
 method, src, out, n_train, n_eval = sys.argv[1:6]
-sources = [{"kind": "sharegpt_file", "path": src}]
+sources = [build(DataSource, {"kind": "sharegpt_file", "path": src})]
 start = time.time()
 if method == "streaming":
-    data.prepare_data(sources, int(n_train), int(n_eval), 0, out)
+    prepare_data(sources, int(n_train), int(n_eval), 0, out)
 else:   # what prepare_data did before: every conversation in memory, then split and write
-    convs = data.load_sources(sources, [])
+    convs = load_sources(sources, [])
     items = [{"id": f"0:{k}", "messages": m} for k, m in enumerate(convs)]
-    parts = data.split_conversations(items, int(n_train), int(n_eval), 0)
+    parts = split_conversations(items, int(n_train), int(n_eval), 0)
     Path(out).mkdir(parents=True, exist_ok=True)
     for name, part in parts.items():
-        data.atomic_write(Path(out) / f"{name}.jsonl", [json.dumps(it, ensure_ascii=False) + "\\n" for it in part])
+        atomic_write(Path(out) / f"{name}.jsonl", [json.dumps(it, ensure_ascii=False) + "\\n" for it in part])
 print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "seconds": time.time() - start}))
 """

@@ -18,7 +18,7 @@ from kvshot.core.progress import quiet_library_bars
 
 
 def _cmd_prepare_data(args, cfg) -> dict:
-    from kvshot.data.sources import prepare_data
+    from kvshot.data.split import prepare_data
 
     d = cfg.data
     n_train = args.train_samples if args.train_samples is not None else d.train_samples

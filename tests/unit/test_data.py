@@ -1,4 +1,4 @@
-"""Tests for kvshot.data.sources: streaming ShareGPT parser, hub loaders, split, chat format, tokenization."""
+"""Tests for kvshot.data: streaming ShareGPT parser, hub loaders (sources), the split, chat format, tokenization."""
 from __future__ import annotations
 
 import json
@@ -10,9 +10,11 @@ import pytest
 
 from kvshot.core.io import DataError
 from kvshot.data import sources as data
+from kvshot.data import split
 from kvshot.data.chat import CHAT_TEMPLATE, IM_END, render_chat, tokenize_conversation
 from kvshot.data.sources import (LoadStats, iter_hub_dataset, iter_sharegpt_file, load_sources, normalize_record,
-                                 prepare_data, read_jsonl, sharegpt_package_path, split_conversations)
+                                 read_jsonl, sharegpt_package_path)
+from kvshot.data.split import prepare_data, split_conversations
 from ..conftest import section
 from kvshot.settings import DataSource
 
@@ -512,7 +514,7 @@ def test_prepare_data_streams_the_reference_split(tmp_path, monkeypatch):
     sources = [{"kind": "sharegpt_file", "path": str(write_array(tmp_path / "a.json", records[:40]))},
                {"kind": "sharegpt_file", "path": str(write_array(tmp_path / "b.json", records[40:]))}]
     # many small buckets: order across and inside buckets both matter
-    monkeypatch.setattr(data, "RankedWriter", functools.partial(RankedWriter, bucket_size=3))
+    monkeypatch.setattr(split, "RankedWriter", functools.partial(RankedWriter, bucket_size=3))
     stats = prepare_data(section(DataSource, sources), 30, 7, 11, tmp_path / "out", min_assistant_chars=4)
     items = [{"id": f"{i}:{k}", "messages": m} for i, k, m in data.iter_sources(section(DataSource, sources), [])]
     usable = [it for it in items if sum(len(m["content"].strip()) for m in it["messages"][1:]) >= 4]
@@ -542,10 +544,10 @@ def test_normalized_key_matches_near_exact_copies():
         [{"role": "user", "content": "What is a KV cache? Keys"}, {"role": "assistant", "content": "and values."}],
         base + [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "ok"}],
     ]
-    key = data.conversation_key(base)
-    assert all(data.conversation_key(m) == key for m in same)
-    assert len({key, *(data.conversation_key(m) for m in differ)}) == 1 + len(differ)
-    unique, removed = data.dedup_conversations([base, *same, *differ, base])
+    key = split.conversation_key(base)
+    assert all(split.conversation_key(m) == key for m in same)
+    assert len({key, *(split.conversation_key(m) for m in differ)}) == 1 + len(differ)
+    unique, removed = split.dedup_conversations([base, *same, *differ, base])
     assert unique == [base, *differ] and removed == 4
 
 
@@ -559,10 +561,10 @@ def test_prepare_data_removes_duplicates_before_the_split(tmp_path, monkeypatch)
     records += [sg(200, ("human", "q5"), ("gpt", "answer 5"))]                                   # exact copy
     sources = [{"kind": "sharegpt_file", "path": str(write_array(tmp_path / "a.json", records[:45]))},
                {"kind": "sharegpt_file", "path": str(write_array(tmp_path / "b.json", records[45:] + records[:2]))}]
-    monkeypatch.setattr(data, "RankedWriter", functools.partial(RankedWriter, bucket_size=4))
+    monkeypatch.setattr(split, "RankedWriter", functools.partial(RankedWriter, bucket_size=4))
     stats = prepare_data(section(DataSource, sources), 100, 6, 5, tmp_path / "out", val_samples=5)
     items = [{"id": f"{i}:{k}", "messages": m} for i, k, m in data.iter_sources(section(DataSource, sources), [])]
-    unique, removed = data.dedup_conversations(items)
+    unique, removed = split.dedup_conversations(items)
     assert removed == 14 + 1 + 2 == stats["duplicates_removed"] and stats["available"] == 40 == len(unique)
     # the first copy stays; per source: 5 in a.json (records 40..44), 10 + 2 in b.json
     assert [s["duplicates_removed"] for s in stats["sources"]] == [5, 12]
@@ -572,7 +574,7 @@ def test_prepare_data_removes_duplicates_before_the_split(tmp_path, monkeypatch)
         assert read_jsonl(tmp_path / f"out/{name}.jsonl") == part, name
     # no conversation, nor a near copy of one, is in two splits: the validation conversations
     # that steer training are disjoint from the evaluation ones
-    train, evals, val = ({data.conversation_key(r["messages"]) for r in parts[n]} for n in ("train", "eval", "val"))
+    train, evals, val = ({split.conversation_key(r["messages"]) for r in parts[n]} for n in ("train", "eval", "val"))
     assert (len(train), len(evals), len(val)) == (29, 6, 5)
     assert not train & evals and not val & evals and not val & train
 

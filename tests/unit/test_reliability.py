@@ -247,8 +247,8 @@ def _sharegpt(path, n: int, extra: int = 0) -> None:
 def test_packaged_sharegpt_split_has_no_shared_conversation(tmp_path):
     """The default config's split of the packaged ShareGPT file: duplicates (743 exact copies
     among its 17,322 kept records, a few more near-exact) removed before the split."""
-    from kvshot.data.sources import (LoadStats, conversation_key, iter_sharegpt_file, normalize_text, prepare_data,
-                                     read_jsonl, sharegpt_package_path)
+    from kvshot.data.sources import LoadStats, iter_sharegpt_file, read_jsonl, sharegpt_package_path
+    from kvshot.data.split import conversation_key, normalize_text, prepare_data
 
     cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())["data"]
     stats = prepare_data(section(DataSource, cfg["sources"]), cfg["train_samples"], cfg["eval_samples"], 0, tmp_path)
