@@ -90,7 +90,9 @@ def test_the_fingerprint_keeps_what_changes_the_trained_model(monkeypatch, tmp_p
         dtype = "float32"
 
     cfg = {"seed": 0, "drafters": {"ttt_steps": 7, "step_decay": 0.8, "draft_vocab_size": 1024}}
+    # every drafters.train field, as the filled config holds them
     train = {"batch_size": 8, "lr": 3e-3, "max_steps": 250, "warmup_steps": 10, "min_lr_ratio": 0.1, "max_len": 256,
+             "weight_decay": 0.1, "eval_batches": 4,
              "length_grouping": 0, "train_samples": None, "grad_clip": 0.5, "eval_every": 50, "plateau": None,
              "num_processes": 8, "log_every": 5, "ckpt_every": 25, "max_minutes": 30, "stop_margin_minutes": 5,
              "diagnostic_sequences": 4}
