@@ -122,7 +122,7 @@ def test_published_figures_read_as_a_mapping():
 
 
 # builds a rule's params for Snakemake (common.smk), whose config is plain data
-PLAIN_CONFIG = {("published.py", "head_stage_config")}
+PLAIN_CONFIG = {("head_stage.py", "head_stage_config")}
 STAGE_PACKAGES = ("data", "capture", "drafters", "train", "evaluate", "interop", "paper_shapes", "report")
 
 

@@ -135,7 +135,7 @@ PUBLISHED_NAMES = "|".join(PUBLISHED) or "(?!)"   # (?!): none configured (the d
 
 def published_params(*sections):
     """stage_params for one published head: its variant alone and its publisher's decoding."""
-    from kvshot.interop.published import head_stage_config
+    from kvshot.interop.head_stage import head_stage_config
 
     def params(wildcards):
         return json.dumps(head_stage_config(stage_config(config, *sections), PUBLISHED[wildcards.variant]),

@@ -30,6 +30,7 @@ from kvshot.drafters import DrafterConfig, build_drafter
 from kvshot.drafters.hidden import HiddenDrafter
 from kvshot.interop.export import (EAGLE3_NAMES, FC_NORM_NAMES, FormatError, read_eagle3, target_config,
                                    target_embedding)
+from kvshot.interop.head_stage import head_stage_config, head_variant  # noqa: F401 (re-exported)
 from kvshot.interop.head_config import AUX_CONVENTIONS, NORM_OUTPUT_CONVENTIONS, layout_of, read_head_config
 from kvshot.settings import Config
 
@@ -198,36 +199,6 @@ def resolve_weights(spec: str) -> str:
 
     return snapshot_download(repo, revision=revision or None, allow_patterns=[
         "config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model.bin"])
-
-
-def head_variant(head: dict) -> dict:
-    """The drafters.variants entry that imports a published head (train-drafter's `weights:`)."""
-    v = {"name": head["name"], "paradigm": "hidden", "layers": 1, "weights": f"hub:{head['repo']}@{head['revision']}",
-         "format": head["format"]}
-    return {**v, "aux_convention": head["aux_convention"]} if head.get("aux_convention") else v
-
-
-def head_stage_config(cfg: dict, head: dict) -> dict:
-    """A stage config for one published head: its variant alone, and the publisher's decoding
-    (a chain of `depth` drafts is drafters.ttt_steps; a tree is eval.e2e.tree)."""
-    cfg = json.loads(json.dumps(cfg))
-    dec = head["decoding"]
-    if "drafters" in cfg:
-        cfg["drafters"]["variants"] = [head_variant(head)]
-        if dec["mode"] == "chain":
-            cfg["drafters"]["ttt_steps"] = dec.get("depth", cfg["drafters"]["ttt_steps"])
-    if "eval" in cfg:
-        if dec["mode"] == "tree":
-            cfg["eval"]["e2e"]["tree"] = {k: dec[k] for k in ("depth", "topk", "total_tokens")}
-        if dec.get("max_new_tokens"):
-            cfg["eval"]["e2e"]["max_new_tokens"] = dec["max_new_tokens"]
-        bench = cfg["eval"]["e2e"].get("benchmarks")
-        if bench:   # the publisher's shape only, at the temperatures it reports
-            bench["modes"] = [dec["mode"]]
-            bench["temperatures"] = sorted({float(t[1:]) for t in head["published"]}) or bench["temperatures"]
-            if dec.get("max_new_tokens"):
-                bench["max_new_tokens"] = dec["max_new_tokens"]
-    return cfg
 
 
 # ---------------------------------------------------------------- the import entry points
