@@ -77,8 +77,7 @@ def decay(variants: list[Variant], path) -> None:
             ax.annotate(f"paper {who}\n{value}", (6, value), textcoords="offset points", fontsize=7,
                         xytext=(8, 4 if who == "kv-d4" else -16))
         ax.set_ylabel(r"$\alpha_k$ (conditional acceptance)")
-        ax.set_title(f"{_title(protocol, under)}\n(X: the paper's Qwen3-8B values at k = 6; "
-                     f"hollow: insufficient, < {min_rounds} anchors or < {min_seqs} sequences)", fontsize=10)
+        ax.set_title(_title(protocol, under), fontsize=10)
         ax.set_xlim(-0.3, last + 1.2)
         ax.set_ylim(0, 1)
         if len(variants) <= 8:
@@ -93,6 +92,9 @@ def decay(variants: list[Variant], path) -> None:
         axn.set_xticks(range(last + 1))
         axn.legend(fontsize=8, loc="upper right")
     fig.suptitle("Long-range decay of acceptance")
+    # the key shared by every panel, once, under the figure (a per-panel subtitle ran into its neighbour's)
+    fig.text(0.5, 0.0, f"X: the paper's Qwen3-8B values at k = 6. Hollow: insufficient, "
+             f"< {min_rounds} anchors or < {min_seqs} sequences.", ha="center", va="top", fontsize=9)
     _save(fig, path)
 
 
