@@ -150,5 +150,5 @@ def test_the_stages_take_the_typed_config():
                         indexed.append(f"{path.name}:{inner.lineno} {node.name}")
     assert untyped == [] and indexed == []
     # the scan sees the one function allowed plain data
-    published = ast.parse((package / "interop" / "published.py").read_text())
+    published = ast.parse((package / "interop" / "head_stage.py").read_text())
     assert any(isinstance(n, ast.Subscript) and ast.unparse(n.value) == "cfg" for n in ast.walk(published))
