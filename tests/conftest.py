@@ -17,10 +17,19 @@ REPO = Path(__file__).resolve().parents[1]
 PIPELINE_TIER = Path(__file__).resolve().parent / "pipeline"
 
 
+# The tests that read the session's one smoke DAG run (`smoke_workdir`) or the SLURM run
+# (`slurm_run`): one xdist worker, so that the DAG runs once per pytest run.
+SHARED_RUN_FIXTURES = {"smoke_workdir", "slurm_run"}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if PIPELINE_TIER in Path(item.fspath).resolve().parents:
             item.add_marker(pytest.mark.pipeline)
+        # pytest-xdist (`-n 2 --dist loadgroup`, pyproject.toml): a module's tests stay on one
+        # worker, so its module-scoped fixtures are built once
+        shared = SHARED_RUN_FIXTURES & set(getattr(item, "fixturenames", ()))
+        item.add_marker(pytest.mark.xdist_group("smoke_dag" if shared else item.nodeid.split("::")[0]))
 
 WORDS = ("the cache keeps every key and value while hidden states summarise what the next "
          "token needs so a drafter may lose context far ahead").split()
