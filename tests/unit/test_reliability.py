@@ -98,8 +98,40 @@ def test_pretrained_target_shape_read_from_its_config(tmp_path):
 # ---------------------------------------------------------------- one-line failures of a stage
 
 def _stage(*args: str) -> subprocess.CompletedProcess:
+    """`python -m kvshot <args>` run in this process: the same `main` and its error handling, its
+    stdout and stderr captured, without a 5 s interpreter start per case (torch, transformers).
+    test_a_stage_error_is_one_line_from_a_fresh_interpreter runs one case as a real process."""
+    import contextlib
+    import io
+
+    from kvshot.__main__ import main
+
+    out, err, env = io.StringIO(), io.StringIO(), dict(os.environ)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:   # quiet_library_bars sets HF_* variables for the process
+        os.environ.clear()
+        os.environ.update(env)
+    return subprocess.CompletedProcess(["kvshot", *args], code, out.getvalue(), err.getvalue())
+
+
+def _stage_process(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvshot", *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+
+
+def test_a_stage_error_is_one_line_from_a_fresh_interpreter(tmp_path):
+    """The in-process `_stage` reads what a process prints: one case as `python -m kvshot`,
+    exit code 2, the same one line last on stderr, no traceback."""
+    cont = tmp_path / "continuations.json"
+    _continuations(cont, cut=True)
+    args = ("eval-stepwise", "--config", str(REPO / "config/config.yaml"), "--drafter", str(tmp_path / "d"),
+            "--target", str(tmp_path / "t"), "--continuations", str(cont), "--features-index",
+            str(tmp_path / "index.json"), "--out", str(tmp_path / "out.json"))
+    proc, inproc = _stage_process(*args), _stage(*args)
+    assert _last_line(proc) == _last_line(inproc) and "Traceback" not in proc.stderr
+    assert _last_line(proc).startswith(f"kvshot eval-stepwise: error: {cont}: not a complete JSON file")
 
 
 def _last_line(proc: subprocess.CompletedProcess) -> str:
@@ -174,6 +206,21 @@ def test_leftover_scratch_of_a_killed_writer_is_removed(tmp_path):
     write_json(tmp_path / "metrics.json", {"a": 1})
     assert not dead_dir.exists() and not dead_file.exists() and other.exists()
     assert (out / "a").read_text() == "1"
+
+
+def test_json_outputs_null_non_finite_numbers_and_keep_large_panels_compact(tmp_path):
+    """write_json: NaN and inf become null whether or not the file is indented; past
+    INDENT_MAX_CHARS (per-anchor panels) the text is compact, and reads back the same."""
+    from kvshot.core.io import INDENT_MAX_CHARS, read_json, write_json
+
+    small = {"alpha": [0.5, float("nan")], "mat": float("inf"), "n": (1, 2)}
+    write_json(tmp_path / "small.json", small)
+    assert read_json(tmp_path / "small.json") == {"alpha": [0.5, None], "mat": None, "n": [1, 2]}
+    assert (tmp_path / "small.json").read_text().startswith("{\n  ")            # indented for reading
+    big = {"lengths": list(range(INDENT_MAX_CHARS // 6)) + [float("-inf")], "k": 7}
+    write_json(tmp_path / "big.json", big)
+    text = (tmp_path / "big.json").read_text()
+    assert "\n  " not in text and read_json(tmp_path / "big.json") == {**big, "lengths": big["lengths"][:-1] + [None]}
 
 
 # ---------------------------------------------------------------- integrity of stored files

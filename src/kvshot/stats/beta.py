@@ -2,6 +2,7 @@
 Python: no SciPy dependency."""
 from __future__ import annotations
 
+import functools
 import math
 
 
@@ -38,8 +39,16 @@ def beta_cdf(x: float, a: float, b: float) -> float:
     return 1.0 - math.exp(log_front) * _beta_continued_fraction(b, a, 1.0 - x) / b
 
 
-def beta_quantile(q: float, a: float, b: float) -> float:
-    """The x with beta_cdf(x, a, b) = q, by bisection (the CDF is monotone)."""
+def beta_pdf(x: float, a: float, b: float) -> float:
+    if x <= 0.0 or x >= 1.0:
+        return 0.0
+    return math.exp((a - 1) * math.log(x) + (b - 1) * math.log1p(-x)
+                    + math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b))
+
+
+def beta_quantile_bisection(q: float, a: float, b: float) -> float:
+    """The x with beta_cdf(x, a, b) = q, by bisection (the CDF is monotone): the reference
+    beta_quantile is tested equal to."""
     lo, hi = 0.0, 1.0
     for _ in range(80):
         mid = (lo + hi) / 2
@@ -48,3 +57,23 @@ def beta_quantile(q: float, a: float, b: float) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+@functools.lru_cache(maxsize=65536)
+def beta_quantile(q: float, a: float, b: float) -> float:
+    """beta_quantile_bisection's x in ~6 CDF evaluations instead of 80: Newton steps on the
+    CDF, kept inside the bisection bracket (a step that leaves it bisects instead). Cached:
+    a report asks for the same (successes, trials) interval many times."""
+    lo, hi, x = 0.0, 1.0, a / (a + b)
+    for _ in range(200):
+        f = beta_cdf(x, a, b) - q
+        if f == 0.0:
+            return x
+        lo, hi = (x, hi) if f < 0 else (lo, x)
+        pdf = beta_pdf(x, a, b)
+        step = x - f / pdf if pdf > 0.0 else -1.0
+        nxt = step if lo < step < hi else (lo + hi) / 2
+        if abs(nxt - x) <= 4e-16 * max(x, 1e-300) or hi - lo <= 4e-16 * hi:
+            return nxt
+        x = nxt
+    return x
