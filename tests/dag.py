@@ -27,5 +27,11 @@ def dry_run_jobs(cwd: Path, *configfiles: str) -> dict[str, int]:
     assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
     out = proc.stdout + proc.stderr
     assert "warning" not in out.lower(), out
+    return job_counts(out)
+
+
+def job_counts(out: str) -> dict[str, int]:
+    """{rule: jobs} of the first "Job stats:" table Snakemake printed (a dry run's or a run's plan)."""
     table = out[out.index("Job stats:"):]
+    table = table[: table.index("total") + 5] if "total" in table else table
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m.group(1) != "total"}

@@ -87,7 +87,7 @@ CPU_SIZES = {
     "features": {"batch_tokens": 2048, "shard_tokens": 16384},
     "eval": {"prompts": 4, "max_prompt_len": 64, "batch_size": 4, "bootstrap_samples": 50,
              "e2e": {"prompts": 2, "warmup": 1, "tree": {"depth": 3, "topk": 2, "total_tokens": 6},
-                     "benchmarks": {"prompts": 2, "max_new_tokens": 6}}},
+                     "benchmarks": {"prompts": 1, "max_new_tokens": 6}}},   # every set and mode, 1 prompt each
 }
 
 
