@@ -103,3 +103,7 @@ def run_script(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     python = ensure_venv()
     return subprocess.run([str(python), str(SCRIPT), *args], capture_output=True, text=True, env=clean_env(),
                           timeout=timeout)
+
+
+if __name__ == "__main__":   # .ci/run builds it in the background while the install and first tests run
+    print(ensure_venv())
