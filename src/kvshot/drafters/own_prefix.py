@@ -31,8 +31,9 @@ def _extend(old: Tensor | None, new: Tensor, dim: int) -> Tensor:
 
 
 def add_own_keys(state: StepState, slot: int, keys: Keys, k: int, valid: Tensor | None) -> None:
-    """Step 0's keys join the prefix (this unroll's anchors); later steps' keys are diagonals."""
-    if k > 0:
+    """Step 0's keys join the prefix (this unroll's anchors); later steps' keys are diagonals
+    (and step 0's too where the prefix is already written, `unroll.branch_unroll`)."""
+    if k > 0 or not state.step0_prefix:
         state.diag[slot].append(keys)
         return
     old = state.prefix[slot]

@@ -338,6 +338,7 @@ class StepState:
     steps_in_rows: int = 0                # > 0: rows are (anchor, step) pairs, anchor-major (`spread_steps`)
     row_seq: Tensor | None = None         # packed rows: [1, Tq] the sequence of each row
     pack_after_prefix: Tensor | None = None   # rows to pack once step 0 has written every prefix key
+    step0_prefix: bool = True             # step 0's own keys join the prefix (False: a diagonal, `branch_unroll`)
     prefix_seq: list[Tensor | None] = field(default_factory=list)   # packed: per layer [1, Tp] each key's sequence
     _masks: list = field(default_factory=list, repr=False)   # (what it was built from, PrefixMask)
 

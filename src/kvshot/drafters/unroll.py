@@ -262,6 +262,52 @@ def block_unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int | None =
     return out
 
 
+def branch_unroll(drafter: Drafter, batch: dict[str, Tensor], rows: Tensor, branch: Tensor, steps: int,
+                  own_prefix_sees_itself: bool = False) -> Unrolled:
+    """Teacher-forced on the target's branches, for the anchors `rows` (flat b * T + t,
+    ascending) of real text: step k at anchor t reads branch[r, k] at position t + k + 1
+    (branch [R, >= steps]: c_0, the target's token after t, then its rollout). The drafter's
+    context is what it reads at t while decoding that text: the target's features at positions
+    <= t and, for a paradigm with its own prefix, its step-0 keys of the real anchors < t, written
+    by one step 0 over the real tokens; an anchor's own step 0 reads c_0 and is a diagonal key.
+    A chain that accepted steps 0..k-1 read exactly these tokens, so step k's logits are the
+    chain's (the step-wise evaluation's one pass). Logits [1, R, N] per step, rows `rows`.
+    own_prefix_sees_itself: a control for tests (the step-0 key of the real next token stays
+    visible to its own anchor), never the product's."""
+    ids = batch["input_ids"].long()
+    b, t = ids.shape
+    anchors = torch.arange(t, device=ids.device).expand(b, -1)
+    state = drafter.begin(context(batch, drafter.compute_dtype()), anchors)
+    out = Unrolled([], [], [])
+    if is_block(drafter):   # its context is the target's alone; slot 0 reads c_0
+        state.pack(rows)
+        h = drafter.draft_block(state, branch[None, :, 0], state.anchors + 1)[0]
+        logits = drafter.logits(h[:, 1: steps + 1])
+        out.logits = [logits[:, k][None] for k in range(steps)]
+    else:
+        start_hidden = state.hidden
+        if drafter.prefix_from_step0:   # the real text's step-0 keys: every later anchor's prefix
+            before = list(state.prefix_anchor)
+            drafter.step(state, shift(ids, 1), anchors + 1, 0)
+            own = [i for i, a in enumerate(state.prefix_anchor) if a is not before[i]]
+            if not own_prefix_sees_itself:   # key of anchor t' (it read x_{t'+1}): visible to anchors > t'
+                for i in own:
+                    state.prefix_anchor[i] = state.prefix_anchor[i] + 1
+            state.diag = [[] for _ in state.diag]   # a KV slot's step-0 diagonal of the real tokens
+            state.step0_prefix = False
+        take = state.pack(rows)
+        if start_hidden is not None:   # step 0 starts from the target's context again
+            state.hidden = take(start_hidden, 1)
+        for k in range(steps):
+            h = drafter.step(state, branch[None, :, k], state.anchors + k + 1, k)
+            out.logits.append(drafter.logits(h))
+    for _ in range(steps):
+        out.valid.append(torch.ones(1, len(rows), dtype=torch.bool, device=ids.device))
+        out.rows.append(rows)
+        out.anchors.append((rows % t)[None])
+    return out
+
+
 def any_unroll(drafter: Drafter, batch: dict[str, Tensor], steps: int, keep_queries: bool = False,
                own_tokens: bool = False, skip_unlabelled: bool = False, anchor_rows: Tensor | None = None) -> Unrolled:
     """`unroll.unroll`, or a block drafter's `block_unroll` (its drafts never feed back, so drafting
