@@ -248,7 +248,7 @@ class E2ESettings:
 
 @dataclass(frozen=True)
 class NaturalSettings:
-    anchors: int
+    anchors: int | None        # a cap; None: every candidate anchor
     max_prefix_len: int
     rollout_tokens: int
     batch_size: int

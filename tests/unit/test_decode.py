@@ -721,7 +721,7 @@ BLOCKS = {"block-kv": {"name": "bk", "paradigm": "block", "layers": 1, "block_si
           "block-hidden": {"name": "bh", "paradigm": "block", "layers": 1, "block_size": K + 1, "context": "hidden"}}
 
 
-def train_block(world, v: dict, seed: int):
+def train_block(world, v: dict, seed: int, steps: int = STEPS):
     from kvshot.drafters.unroll import block_unroll
 
     target, batch = world["target"], world["batch"]
@@ -731,7 +731,7 @@ def train_block(world, v: dict, seed: int):
     labels = target_labels(batch["last_hidden"], target.lm_head.weight.detach(), model.d2t)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     model.train()
-    for _ in range(STEPS):
+    for _ in range(steps):
         weighted_loss(step_losses(model, block_unroll(model, batch, K), batch, labels)[0], 0.8).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -101,7 +101,8 @@ def test_seeds_pool_per_sequence_and_keep_each_seeds_record(tiny, tiny_features)
     from kvshot.capture.features import open_features
     from kvshot.capture.target import load_target
     from kvshot.data.tokenizer import load_tokenizer
-    from kvshot.evaluate.references import natural_items, prompt_conversations
+    from kvshot.evaluate.branches import branch_items, natural_conversations, rollout
+    from kvshot.evaluate.references import prompt_conversations
     from kvshot.evaluate.stepwise import stepwise, stepwise_seeds
     from kvshot.train.variants import draft_vocab
 
@@ -109,8 +110,10 @@ def test_seeds_pool_per_sequence_and_keep_each_seeds_record(tiny, tiny_features)
 
     src = open_features(tiny_features["train"])
     target = load_target(tiny["model"], tiny["rt"])
-    ncfg = {"anchors": 16, "max_prefix_len": 80, "rollout_tokens": K + 1, "batch_size": 8}
-    items = natural_items(target, load_tokenizer(tiny["tokenizer"]), prompt_conversations(tiny["eval"], 100), section(NaturalSettings, ncfg), 0, "cpu")
+    tok = load_tokenizer(tiny["tokenizer"])
+    convs = natural_conversations(target, tok, prompt_conversations(tiny["eval"], 100), 16, 80, K + 1, 0, "cpu")
+    items = [it | {"continuation": rollout(it["continuation"], K + 1, tok.eos_token_id)}   # as per-anchor items
+             for c in convs for it in branch_items(c)]
     d2t = draft_vocab(src, 150, target.config.vocab_size)
     drafters = []
     for seed in (3, 4):

@@ -58,39 +58,27 @@ def test_repetition_share_counts_tokens_that_complete_an_earlier_4gram():
     assert repetition_share([{"prompt": [], "continuation": list(range(30))}])["share"] == 0.0
 
 
-def test_natural_anchors_lie_in_real_assistant_text_and_are_seeded(tiny):
+def test_natural_anchors_lie_in_real_assistant_text_every_one_or_a_seeded_cap(tiny):
     from kvshot.data.chat import tokenize_conversation
-    from kvshot.evaluate.references import natural_anchors
+    from kvshot.evaluate.branches import conversation_anchors
 
     convs = prompt_conversations(tiny["eval"], 100)
     tok = load_tokenizer(tiny["tokenizer"])
-    items = natural_anchors(convs, tok, 12, 64, seed=3)
-    assert len(items) == 12 and items == natural_anchors(convs, tok, 12, 64, seed=3)
-    assert items != natural_anchors(convs, tok, 12, 64, seed=4)
-    for it in items:
-        ids, mask = tokenize_conversation(tok, convs[it["conversation"]], 1000)
-        a = len(it["prompt"]) - 1
-        assert it["prompt"] == ids[: a + 1] and len(it["prompt"]) <= 64
-        assert mask[a] == 1 and mask[a + 1] == 1         # inside an answer, with real text after it
-    assert len(natural_anchors(convs, tok, 10_000, 64, seed=0)) < 10_000   # all candidates, no more
-
-
-def test_batched_rollouts_equal_one_prompt_at_a_time(tiny):
-    import torch
-
-    from kvshot.capture.target import load_target
-    from kvshot.evaluate.references import greedy_rollouts, natural_anchors
-
-    target = load_target(tiny["model"], tiny["rt"])
-    tok = load_tokenizer(tiny["tokenizer"])
-    prompts = [it["prompt"] for it in natural_anchors(prompt_conversations(tiny["eval"], 100), tok, 6, 80, seed=1)]
-    assert len({len(p) for p in prompts}) > 1                                  # padding is exercised
-    batched = greedy_rollouts(target, prompts, 8, tok.eos_token_id, tok.pad_token_id, "cpu", batch_size=6)
-    for p, got in zip(prompts, batched):
-        x = torch.tensor([p])
-        one = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=8,
-                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
-        assert got == one and 1 <= len(got) <= 8
+    every = conversation_anchors(convs, tok, None, 64, seed=3)
+    assert [c["conversation"] for c in every] == list(range(len(convs)))   # none dropped, empty or not
+    total = 0
+    for c in every:
+        ids, mask = tokenize_conversation(tok, convs[c["conversation"]], 65)
+        candidates = [a for a in range(min(len(ids) - 1, 64)) if mask[a] and mask[a + 1]]
+        assert c["anchors"] == candidates                                   # every candidate, in order
+        assert c["ids"] == ids[: max(candidates, default=-2) + 2]           # up to the last anchor's next token
+        total += len(candidates)
+    capped = conversation_anchors(convs, tok, 12, 64, seed=3)
+    assert sum(len(c["anchors"]) for c in capped) == 12 and capped == conversation_anchors(convs, tok, 12, 64, seed=3)
+    assert capped != conversation_anchors(convs, tok, 12, 64, seed=4)
+    assert all(set(c["anchors"]) <= set(e["anchors"]) for c, e in zip(capped, every))
+    assert conversation_anchors(convs, tok, 10_000, 64, seed=0) == every   # a cap past the candidates: all of them
+    assert total > 12
 
 
 def test_item_rows_take_an_items_own_anchors():
@@ -115,32 +103,39 @@ def test_alpha_by_context_length_buckets():
     assert got["alpha"][3] == [0.5, 1.0]
 
 
-def test_stepwise_on_natural_items_scores_one_anchor_each_and_groups_conversations(tiny, tiny_features):
+def test_natural_protocol_scores_every_anchor_in_one_pass_and_groups_conversations(tiny, tiny_features):
     from kvshot.capture.features import open_features
     from kvshot.capture.target import load_target
-    from kvshot.evaluate.references import natural_items
-    from kvshot.evaluate.stepwise import stepwise
+    from kvshot.evaluate.branches import branch_items, natural_conversations, rollout
+    from kvshot.evaluate.natural import branch_repetition, scored_anchors
+    from kvshot.evaluate.references import repetition_share
+    from kvshot.evaluate.stepwise import natural_tallies, seeds_record
+    from kvshot.train.variants import draft_vocab
 
     from .test_drafters import K, make
 
     src = open_features(tiny_features["train"])
     target = load_target(tiny["model"], tiny["rt"])
     tok = load_tokenizer(tiny["tokenizer"])
-    ncfg = {"anchors": 20, "max_prefix_len": 80, "rollout_tokens": K + 1, "batch_size": 8}
-    items = natural_items(target, tok, prompt_conversations(tiny["eval"], 100), section(NaturalSettings, ncfg), 0, "cpu")
-    assert len(items) == 20 and all(it["anchors"] == [len(it["prompt"]) - 1] for it in items)
-    from kvshot.train.variants import draft_vocab
-
+    convs = natural_conversations(target, tok, prompt_conversations(tiny["eval"], 100), None, 80, K + 1, 0, "cpu")
+    nat = {"conversations": convs, "rollout_tokens": K + 1, "eos_id": tok.eos_token_id, "anchors": None}
     model = make((src, target, draft_vocab(src, 150, target.config.vocab_size)), "kv")
-    result = stepwise(model, target, items, src.spec.aux_layers, K, 8, "cpu", bootstrap_samples=20,
-                      context_buckets=[32, 64])
-    scored = [it for it in items if len(it["continuation"]) >= K]
-    assert result["rounds"][0] == result["anchors"] == len(scored)            # one round per anchor
-    assert result["sequences"] == len({it["conversation"] for it in scored})  # resampled by conversation
+    tallies, repetition, extra = natural_tallies(nat, [model], target, src.spec.aux_layers, K, 3, "cpu", "float32",
+                                                 "<natural>")
+    result = seeds_record([None], tallies, repetition, K, 20, context_buckets=(32, 64))
+    scored = {(c["conversation"], c["anchors"][i]) for c in convs for i in scored_anchors(c, K, K + 1, tok.eos_token_id)}
+    assert result["rounds"][0] == result["anchors"] == len(scored) > 40          # one round per scored anchor
+    panel = result["anchors_panel"]
+    assert {(int(panel["sequences"][j]), t) for j, t in zip(panel["sequence"], panel["position"])} == scored
+    assert result["sequences"] == len({c for c, _ in scored})                    # resampled by conversation
     assert sum(result["by_context"]["anchors"]) == len(scored)
-    assert [sum(r[0] for r in result["by_context"]["rounds"])] == [result["rounds"][0]]
-    assert 0 <= result["repetition"]["share"] <= 1 and result["repetition"]["tokens"] == sum(
-        len(it["continuation"]) for it in items)
+    assert extra["natural_anchors"]["anchors"] == sum(len(c["anchors"]) for c in convs)
+    assert extra["natural_anchors"]["ended_within_k"] == extra["natural_anchors"]["anchors"] - len(scored)
+    # the repetition share without rescanning each prefix: as repetition_share over the per-anchor items
+    items = [it | {"continuation": rollout(it["continuation"], K + 1, tok.eos_token_id)}
+             for c in convs for it in branch_items(c)]
+    assert repetition == branch_repetition(convs, K + 1, tok.eos_token_id) == repetition_share(items)
+    assert 0 <= repetition["share"] <= 1 and repetition["tokens"] == sum(len(it["continuation"]) for it in items)
 
 
 @pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid", "standalone"])

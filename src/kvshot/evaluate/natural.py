@@ -46,27 +46,28 @@ def natural_results(drafters: list[Drafter], target, convs: list[dict], aux_laye
         if not any(len(a) for a in anchors):
             yield from ([(a, empty, empty)] * len(drafters) for a in anchors)
             continue
-        seqs = [torch.tensor(c["ids"]) for c in group]
+        live = [b for b, a in enumerate(anchors) if len(a)]   # only conversations with an anchor to score
+        seqs = [torch.tensor(group[b]["ids"], dtype=torch.long) for b in live]
         batch = pad_batch([{"input_ids": s, "loss_mask": torch.ones_like(s, dtype=torch.uint8)} for s in seqs])
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
         width = ids.shape[1]
-        rows = torch.cat([b * width + a for b, a in enumerate(anchors)]).to(device)
-        branch = torch.tensor([c["branches"][j][: steps + 1] for c, kept in zip(group, keep) for j in kept],
+        rows = torch.cat([r * width + anchors[b] for r, b in enumerate(live)]).to(device)
+        branch = torch.tensor([group[b]["branches"][j][: steps + 1] for b in live for j in keep[b]],
                               dtype=torch.long, device=device)
         ctx = target_forward(target, ids, mask, aux_layers, kv_layers)
         feats = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask, "aux_hidden": ctx.aux_hidden}
         for l in kv_layers:
             feats[f"key_{l}"], feats[f"value_{l}"] = ctx.keys[l], ctx.values[l]
         want = branch[:, 1: steps + 1]                                       # the target's token after each input
-        counts = [len(a) for a in anchors]
+        counts = [len(anchors[b]) for b in live]
         per_drafter = []
         for d in drafters:
             d.eval()
             with drafter_autocast(device, dtype):
                 out = branch_unroll(d, feats, rows, branch, steps)
             drafted = torch.stack([d.d2t[out.logits[k][0].argmax(-1)] for k in range(steps)], dim=1)
-            ok = (drafted == want).cpu()
-            per_drafter.append([(a, part, part) for a, part in zip(anchors, ok.split(counts))])
+            parts = dict(zip(live, (drafted == want).cpu().split(counts)))
+            per_drafter.append([(a, parts.get(b, empty), parts.get(b, empty)) for b, a in enumerate(anchors)])
         yield from (list(r) for r in zip(*per_drafter))
 
 

@@ -2,8 +2,10 @@
 target_continuations stage and read by every evaluation:
 
 continuations  the target's greedy continuation of each eval prompt (the paper's protocol);
-natural        seeded anchors in real held-out assistant text, each with the target's greedy
-               rollout from that real prefix (`natural_anchors`).
+natural        every candidate anchor in real held-out assistant text (or a seeded cap of them),
+               each with the target's greedy rollout from that real prefix, computed as a tree
+               of branches at one target pass per conversation (`branches`); and one prompt
+               per conversation for end-to-end decoding (`e2e_items`).
 
 `repetition_share` says how much of a reference the target copies from earlier in it.
 """
@@ -20,9 +22,10 @@ import torch
 from kvshot.config import Runtime
 from kvshot.core.io import DataError, read_json, write_json
 from kvshot.core.progress import progress
-from kvshot.data.chat import encode_prompt, tokenize_conversation
+from kvshot.data.chat import encode_prompt
+from kvshot.evaluate.branches import natural_conversations, rollout
 from kvshot.data.sources import read_jsonl
-from kvshot.settings import Config, DataSource, NaturalSettings, PromptSource
+from kvshot.settings import Config, DataSource, PromptSource
 
 
 def prompt_conversations(eval_jsonl: str | Path, n: int,
@@ -64,50 +67,18 @@ def greedy_continuations(target, tokenizer, prompts: list[list[int]], max_new_to
     return out
 
 
-def natural_anchors(conversations: list[list[dict]], tokenizer, n: int, max_prefix_len: int, seed: int) -> list[dict]:
-    """`n` anchors drawn (seeded, without replacement) from every position of the conversations
-    whose token is assistant text followed by more of it; each is the real prefix up to and
-    including that token (at most max_prefix_len tokens, rendered as training text)."""
-    candidates, tokens = [], []
-    for c, msgs in enumerate(conversations):
-        ids, mask = tokenize_conversation(tokenizer, msgs, max_prefix_len + 1)
-        tokens.append(ids)
-        candidates += [(c, a) for a in range(min(len(ids) - 1, max_prefix_len)) if mask[a] and mask[a + 1]]
-    picked = sorted(random.Random(seed).sample(candidates, min(n, len(candidates))))
-    return [{"conversation": c, "prompt": tokens[c][: a + 1]} for c, a in picked]
-
-
-@torch.no_grad()
-def greedy_rollouts(target, prompts: list[list[int]], tokens: int, eos_id: int | None, pad_id: int, device: str,
-                    batch_size: int) -> list[list[int]]:
-    """The target's greedy `tokens` after each prompt, batched across prompts (left padding,
-    positions from the attention mask; prompts sorted by length so a batch pads little); a
-    rollout ends after its first EOS."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    out: list[list[int]] = [[] for _ in prompts]
-    for i in progress(range(0, len(order), batch_size), desc="natural rollouts", unit="batch"):
-        group = order[i: i + batch_size]
-        width = max(len(prompts[j]) for j in group)
-        ids = torch.full((len(group), width), pad_id, dtype=torch.long)
-        mask = torch.zeros(len(group), width, dtype=torch.long)
-        for r, j in enumerate(group):
-            ids[r, width - len(prompts[j]):] = torch.tensor(prompts[j])
-            mask[r, width - len(prompts[j]):] = 1
-        gen = target.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False, max_new_tokens=tokens,
-                              eos_token_id=eos_id, pad_token_id=pad_id)[:, width:].tolist()
-        for r, j in enumerate(group):
-            toks = gen[r]
-            out[j] = toks[: toks.index(eos_id) + 1] if eos_id in toks else toks
+def e2e_items(convs: list[dict], tokens: int, eos_id: int | None, seed: int) -> list[dict]:
+    """One prompt per conversation with anchors for real speculative decoding (eval.e2e): the
+    real prefix up to an anchor drawn with `seed`, its branch's rollout as the reference."""
+    rng = random.Random(seed)
+    out = []
+    for conv in convs:
+        if conv["anchors"]:
+            i = rng.randrange(len(conv["anchors"]))
+            a = conv["anchors"][i]
+            out.append({"conversation": conv["conversation"], "prompt": conv["ids"][: a + 1],
+                        "continuation": rollout(conv["branches"][i], tokens, eos_id), "anchors": [a]})
     return out
-
-
-def natural_items(target, tokenizer, conversations: list[list[dict]], ncfg: NaturalSettings, seed: int, device: str) -> list[dict]:
-    """The natural protocol's items: a real prefix, the target's rollout from it, one anchor."""
-    items = natural_anchors(conversations, tokenizer, ncfg.anchors, ncfg.max_prefix_len, seed)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rollouts = greedy_rollouts(target, [it["prompt"] for it in items], ncfg.rollout_tokens, tokenizer.eos_token_id,
-                               pad, device, ncfg.batch_size)
-    return [it | {"continuation": r, "anchors": [len(it["prompt"]) - 1]} for it, r in zip(items, rollouts)]
 
 
 def run_continuations_stage(cfg: Config, rt: Runtime, eval_jsonl: str, target_dir: str, out_path: str,
@@ -131,12 +102,20 @@ def run_continuations_stage(cfg: Config, rt: Runtime, eval_jsonl: str, target_di
     if natural_out:
         ncfg, start = ecfg.natural, time.time()
         real = [c["messages"] for c in read_jsonl(eval_jsonl)]   # real assistant text: the eval split itself
-        nat = natural_items(target, tokenizer, real, ncfg, cfg.seed, rt.device)
-        if not nat:
+        # branches of K + 1 tokens at least: the step-wise chain's inputs c_0..c_{K-1} and the target's c_K
+        tokens = max(ncfg.rollout_tokens, cfg.drafters.ttt_steps + 1)
+        convs = natural_conversations(target, tokenizer, real, ncfg.anchors, ncfg.max_prefix_len, tokens, cfg.seed,
+                                      rt.device)
+        anchors = sum(len(c["anchors"]) for c in convs)
+        if not anchors:
             raise DataError(f"{eval_jsonl}: no assistant text to anchor the natural protocol (eval.natural)")
+        eos = tokenizer.eos_token_id
         write_json(natural_out, {"target": target_dir, "protocol": "natural", **asdict(ncfg), "seed": cfg.seed,
-                                 "eos_id": tokenizer.eos_token_id, "seconds": time.time() - start, "items": nat})
-        summary["natural_anchors"] = len(nat)
+                                 "eos_id": eos, "seconds": time.time() - start, "branch_tokens": tokens,
+                                 "target_tokens": sum(len(c["ids"]) + len(c["anchors"]) * (tokens - 1) for c in convs
+                                                      if c["anchors"]),
+                                 "conversations": convs, "items": e2e_items(convs, ncfg.rollout_tokens, eos, cfg.seed)})
+        summary["natural_anchors"] = anchors
     return summary
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -25,6 +25,7 @@ from kvshot.core.progress import progress
 from kvshot.drafters import Drafter
 from kvshot.drafters.unroll import any_unroll, is_block
 from kvshot.evaluate.eval_models import load_models
+from kvshot.evaluate.natural import branch_repetition, natural_keys, natural_results, read_natural, scored_anchors
 from kvshot.evaluate.references import read_continuations, repetition_share
 from kvshot.settings import Config
 from kvshot.stats.metrics import (DEFAULT_MIN_ROUNDS, DEFAULT_MIN_SEQUENCES, chain_counts, chain_summary,
@@ -159,15 +160,20 @@ def by_context(contexts: Tensor, correct: Tensor, edges: list[int], level: float
 def chain_tallies(drafters: list[Drafter], target, items: list[dict], aux_layers: tuple[int, ...], steps: int,
                   batch_size: int, device: str, dtype: str = "float32") -> list[dict]:
     """Exact greedy chain drafting from every anchor of the items, for each drafter (one target
-    forward per batch for all): per-sequence counts (items of one `conversation` are one
-    sequence), each anchor's context length and chain, and the teacher-forced tallies. The raw
-    material of `summarize_tally`; tallies of several drafters (seeds) on the same items add up
+    forward per batch for all): `tallies_of` its results, items of one `conversation` one sequence."""
+    results = chain_correct_many(drafters, target, items, aux_layers, steps, batch_size, device, dtype)
+    keys = [it.get("conversation", f"item {i}") for i, it in enumerate(items)]
+    return tallies_of(zip(keys, results), len(drafters), steps)
+
+
+def tallies_of(keyed_results: Iterable[tuple[object, list[Results]]], n_drafters: int, steps: int) -> list[dict]:
+    """Per drafter: per-sequence counts, each anchor's context length and chain, and the
+    teacher-forced tallies, from (sequence key, one `Results` per drafter) pairs. The raw
+    material of `summarize_tally`; tallies of several drafters (seeds) on the same anchors add up
     sequence by sequence."""
     tallies = [{"groups": {}, "contexts": [], "chains": [], "tf_correct": torch.zeros(steps), "tf_total": 0,
-                "keys": []} for _ in drafters]
-    results = chain_correct_many(drafters, target, items, aux_layers, steps, batch_size, device, dtype)
-    for i, (it, per_drafter) in enumerate(zip(items, results)):
-        key = it.get("conversation", f"item {i}")
+                "keys": []} for _ in range(n_drafters)]
+    for key, per_drafter in keyed_results:
         for tally, (rows, chain_ok, forced_ok) in zip(tallies, per_drafter):
             if len(rows) == 0:
                 continue
@@ -216,12 +222,13 @@ def pool_tallies(tallies: list[dict]) -> dict:
             "tf_correct": sum(t["tf_correct"] for t in tallies), "tf_total": sum(t["tf_total"] for t in tallies)}
 
 
-def summarize_tally(tally: dict, items: list[dict], steps: int, bootstrap_samples: int = 1000, seed: int = 0,
+def summarize_tally(tally: dict, repetition: dict, steps: int, bootstrap_samples: int = 1000, seed: int = 0,
                     min_rounds: int = DEFAULT_MIN_ROUNDS, context_buckets: tuple[int, ...] = (),
                     anchors: AnchorPanel | None = None, min_sequences: int = DEFAULT_MIN_SEQUENCES) -> dict:
     """alpha_k, acc_k, MAT, retention with intervals that resample whole sequences
     (`chain_summary`; anchors: the per-anchor panel of every seed pooled in the tally, default the
-    tally's own), the repetition share of the reference tokens, alpha_k by context length."""
+    tally's own), the repetition share of the reference tokens (`repetition_share`), alpha_k by
+    context length."""
     anchors = anchors if anchors is not None else anchor_panel([tally], steps)
     result = {
         "acc": (tally["tf_correct"] / max(tally["tf_total"], 1)).tolist(),
@@ -229,7 +236,7 @@ def summarize_tally(tally: dict, items: list[dict], steps: int, bootstrap_sample
         "sequences": len(tally["groups"]),
         "anchors": tally["tf_total"],
         "steps": steps,
-        "repetition": repetition_share(items),
+        "repetition": repetition,
     }
     result.update(chain_summary(anchors, bootstrap_samples, seed, min_rounds, min_sequences=min_sequences))
     if context_buckets:   # eval.context_buckets; none given (a direct call): no breakdown by context length
@@ -251,7 +258,8 @@ def stepwise(drafter: Drafter, target, items: list[dict], aux_layers: tuple[int,
     """One drafter's step-wise record (`chain_tally` then `summarize_tally`)."""
     items = order_items(items)
     tally = chain_tally(drafter, target, items, aux_layers, steps, batch_size, device, dtype)
-    return summarize_tally(tally, items, steps, bootstrap_samples, seed, min_rounds, context_buckets, None, min_sequences)
+    return summarize_tally(tally, repetition_share(items), steps, bootstrap_samples, seed, min_rounds, context_buckets,
+                           None, min_sequences)
 
 
 SEED_METRICS = ("alpha_observed", "cumulative", "mat", "retention_observed")
@@ -285,21 +293,22 @@ def stepwise_seeds(drafters: list[tuple[int, Drafter]], target, items: list[dict
     every seed's own record in `per_seed` and their spread in `across_seeds`."""
     items = order_items(items)
     tallies = chain_tallies([d for _, d in drafters], target, items, aux_layers, steps, batch_size, device, dtype)
-    return seeds_record([s for s, _ in drafters], tallies, items, steps, bootstrap_samples, seed, min_rounds,
+    return seeds_record([s for s, _ in drafters], tallies, repetition_share(items), steps, bootstrap_samples, seed, min_rounds,
                         context_buckets, min_sequences)
 
 
-def seeds_record(seeds: list[int | None], tallies: list[dict], items: list[dict], steps: int,
+def seeds_record(seeds: list[int | None], tallies: list[dict], repetition: dict, steps: int,
                  bootstrap_samples: int = 1000, seed: int = 0, min_rounds: int = DEFAULT_MIN_ROUNDS,
                  context_buckets: tuple[int, ...] = (), min_sequences: int = DEFAULT_MIN_SEQUENCES) -> dict:
-    """`stepwise_seeds`' record from the seeds' tallies (`chain_tallies`, in `order_items` order)."""
+    """`stepwise_seeds`' record from the seeds' tallies (`tallies_of`) and the repetition share of
+    the reference tokens they were scored on."""
     per_seed = []
     for s, tally in zip(seeds, tallies):
-        own = summarize_tally(tally, items, steps, bootstrap_samples, seed, min_rounds, context_buckets, None,
+        own = summarize_tally(tally, repetition, steps, bootstrap_samples, seed, min_rounds, context_buckets, None,
                               min_sequences)
         per_seed.append({"seed": s} | {k: own[k] for k in own if k not in ("by_context", "repetition", "acc_note")})
     anchors = anchor_panel(tallies, steps)
-    result = summarize_tally(pool_tallies(tallies) if len(tallies) > 1 else tallies[0], items, steps,
+    result = summarize_tally(pool_tallies(tallies) if len(tallies) > 1 else tallies[0], repetition, steps,
                              bootstrap_samples, seed, min_rounds, context_buckets, anchors, min_sequences)
     result["pooled"] = (f"{len(per_seed)} training seeds: counts summed per sequence over seeds; intervals "
                         f"with the seeds' variance (resample.py)" if len(per_seed) > 1 else "one training seed")
@@ -337,6 +346,25 @@ def variant_groups(drafter_dirs: list[str], outs: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
+def natural_tallies(nat: dict, drafters: list[Drafter], target, aux: tuple[int, ...], steps: int, batch_size: int,
+                    device: str, dtype: str, path: str) -> tuple[list[dict], dict, dict]:
+    """The natural protocol's tallies at one target pass per conversation (`natural_results`),
+    the repetition share of every anchor's rollout, and what the record says of its anchors."""
+    convs, tokens, eos = nat["conversations"], nat["rollout_tokens"], nat["eos_id"]
+    short = [len(b) for c in convs for b in c["branches"] if len(b) < steps + 1]
+    if short:
+        raise DataError(f"{path}: branches of {min(short)} tokens, the step-wise chain needs K + 1 = {steps + 1} "
+                        f"(drafters.ttt_steps); delete it and rerun target_continuations")
+    results = natural_results(drafters, target, convs, aux, steps, tokens, eos, batch_size, device, dtype)
+    tallies = tallies_of(zip(natural_keys(convs), results), len(drafters), steps)
+    extra = {"natural_anchors": {
+        "conversations": len(convs), "without_anchors": sum(not c["anchors"] for c in convs),
+        "anchors": sum(len(c["anchors"]) for c in convs),
+        "ended_within_k": sum(len(c["anchors"]) - len(scored_anchors(c, steps, tokens, eos)) for c in convs),
+        "cap": nat.get("anchors")}}
+    return tallies, branch_repetition(convs, tokens, eos), extra
+
+
 def run_stepwise_stage(cfg: Config, rt: Runtime, drafter_dirs: list[str], target_dir: str, continuations: str,
                        features_index: str, out_path: str | list[str], natural: str | None = None,
                        natural_out: str | list[str] | None = None) -> dict:
@@ -354,7 +382,7 @@ def run_stepwise_stage(cfg: Config, rt: Runtime, drafter_dirs: list[str], target
                           f"(a chain of K steps needs K rollout tokens; K + 1 is the reference chain)")
     protocols = {"continuations": (read_continuations(continuations)["items"], outs)}   # fail fast, before loading
     if natural:
-        protocols["natural"] = (read_continuations(natural)["items"], natural_outs)
+        protocols["natural"] = (read_natural(natural), natural_outs)
     drafter_dirs = [drafter_dirs] if isinstance(drafter_dirs, (str, Path)) else list(drafter_dirs)
     groups = variant_groups(drafter_dirs, outs)
     models = load_models(cfg, rt, target_dir, groups, features_index)
@@ -362,17 +390,23 @@ def run_stepwise_stage(cfg: Config, rt: Runtime, drafter_dirs: list[str], target
     drafters = [[(drafter_seed(d), m) for d, m in zip(dirs, loaded)] for dirs, loaded in zip(groups, models.drafters)]
     ecfg = cfg.eval
     summary: dict = {}
-    for name, (items, paths) in protocols.items():
+    flat = [d for variant in drafters for _, d in variant]
+    for name, (source, paths) in protocols.items():
         start = time.time()
-        batch = ecfg.batch_size if name == "continuations" else ecfg.natural.batch_size
-        items = order_items(items)
-        flat = [d for variant in drafters for _, d in variant]
-        tallies = iter(chain_tallies(flat, target, items, aux, steps, batch, rt.device, rt.dtype))
+        if name == "continuations":
+            items = order_items(source)
+            repetition, extra = repetition_share(items), {}
+            tallies = iter(chain_tallies(flat, target, items, aux, steps, ecfg.batch_size, rt.device, rt.dtype))
+        else:
+            tallies, repetition, extra = natural_tallies(source, flat, target, aux, steps, ecfg.natural.batch_size,
+                                                         rt.device, rt.dtype, natural)
+            tallies = iter(tallies)
         seconds = time.time() - start
         for dirs, variant, path in zip(groups, drafters, paths):
-            result = seeds_record([s for s, _ in variant], [next(tallies) for _ in variant], items, steps,
+            result = seeds_record([s for s, _ in variant], [next(tallies) for _ in variant], repetition, steps,
                                   ecfg.bootstrap_samples, cfg.seed, ecfg.min_rounds, ecfg.context_buckets,
                                   ecfg.min_sequences)
+            result.update(extra)
             first = variant[0][1]
             result.update(protocol=name, max_repetition=ecfg.max_repetition,
                           variant=drafter_variant(dirs[0]), drafters=[str(d) for d in dirs],

@@ -40,8 +40,9 @@ from kvshot.drafters import attention as attention_backends
 from kvshot.drafters.unroll import label_positions, training_forward
 from kvshot.evaluate.decode import speculative_generate
 from kvshot.evaluate.e2e import specs
-from kvshot.evaluate.references import greedy_continuations, greedy_rollouts
-from kvshot.evaluate.stepwise import chain_correct
+from kvshot.evaluate.branches import branch_rollouts
+from kvshot.evaluate.natural import natural_results
+from kvshot.evaluate.references import greedy_continuations
 from kvshot.paper_shapes.shapes import GB, ShapeMeter
 from kvshot.settings import Config
 from kvshot.train import loop as train_module
@@ -315,18 +316,20 @@ class PaperShapes:
 
     # ------------------------------------------------------------ evaluation
     def stepwise_row(self, name: str) -> Row:
-        """eval_stepwise, natural protocol: one batch of prefixes of the longest length."""
+        """eval_stepwise, natural protocol: one pass over a batch of conversations of the longest
+        prefix, every position but the last an anchor (the most a pass scores)."""
         rows: list[Row] = []
         ncfg = self.cfg.eval.natural
         steps = self.cfg.drafters.ttt_steps
-        prefix, rollout, batch = ncfg.max_prefix_len, ncfg.rollout_tokens, ncfg.batch_size
-        items = [{"prompt": [1] * prefix, "continuation": [1] * rollout, "anchors": [prefix - 1]}
-                 for _ in range(batch)]
+        prefix, batch = ncfg.max_prefix_len, ncfg.batch_size
+        convs = [{"conversation": i, "ids": [1] * prefix, "anchors": list(range(prefix - 1)),
+                  "branches": [[1] * (steps + 1)] * (prefix - 1)} for i in range(batch)]
         with self.meter:
             _, model = self.drafter(name)
             model.eval()
-        with self._measure(rows, "eval_stepwise natural", name, "anchor", batch):
-            list(chain_correct(model, self.target, items, self.spec.aux_layers, steps, batch, "cpu", self.rt.dtype))
+        with self._measure(rows, "eval_stepwise natural", name, "anchor", batch * (prefix - 1)):
+            list(natural_results([model], self.target, convs, self.spec.aux_layers, steps, steps + 1, None, batch,
+                                 "cpu", self.rt.dtype))
         return rows[0]
 
     def e2e_rows(self, name: str, new_tokens: int, modes: tuple[str, ...] = ("chain", "tree")) -> list[Row]:
@@ -366,10 +369,10 @@ class PaperShapes:
         with self._measure(rows, "target_continuations decode", "batch 1", "token", new_tokens - 1):
             greedy_continuations(self.target, stub, [prompt], new_tokens, "cpu")
         rows[-1].tflop -= rows[-2].tflop   # the tokens after the first: the prefill left out
-        prompts = [[1] * ncfg.max_prefix_len] * ncfg.batch_size
-        with self._measure(rows, "target_continuations natural", f"batch {ncfg.batch_size}", "anchor",
-                           ncfg.batch_size):
-            greedy_rollouts(self.target, prompts, ncfg.rollout_tokens, None, 0, "cpu", ncfg.batch_size)
+        # one conversation of the longest prefix, every position an anchor: its real pass and K rounds
+        prefix, tokens = ncfg.max_prefix_len, max(ncfg.rollout_tokens, self.cfg.drafters.ttt_steps + 1)
+        with self._measure(rows, "target_continuations natural", "1 conversation", "anchor", prefix - 1):
+            branch_rollouts(self.target, [1] * prefix, list(range(prefix - 1)), tokens, "cpu")
         fcfg = self.cfg.features
         n = max(1, fcfg.batch_tokens // self.length)
         batch = pad_batch([{"input_ids": torch.ones(self.length, dtype=torch.int32),
