@@ -34,8 +34,8 @@ from kvshot.config import runtime, typed_config
 from kvshot.core.taps import default_aux_layers
 from kvshot.data.sources import read_jsonl
 from kvshot.data.tokenizer import load_tokenizer
-from kvshot.evaluate.branches import branch_items, natural_conversations, rollout
-from kvshot.evaluate.natural import natural_results
+from kvshot.evaluate.branches import natural_conversations, rollout
+from kvshot.evaluate.natural import by_anchor, natural_results
 from kvshot.evaluate.stepwise import chain_correct_many
 from kvshot.train.variants import build_variant, variant_config
 
@@ -69,22 +69,19 @@ def per_anchor_rollouts(target, prompts: list[list[int]], tokens: int, eos_id, p
 
 def per_anchor(target, tok, convs: list[dict], drafters, aux, steps: int, tokens: int, batch_size: int) -> dict:
     start = time.perf_counter()
-    items = [it for c in convs for it in branch_items(c | {"branches": [[]] * len(c["anchors"])})]
+    items = [{"conversation": c["conversation"], "prompt": c["ids"][: a + 1], "anchors": [a]}
+             for c in convs for a in c["anchors"]]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     rollouts, fed = per_anchor_rollouts(target, [it["prompt"] for it in items], tokens, tok.eos_token_id, pad,
                                         batch_size)
     items = [it | {"continuation": r} for it, r in zip(items, rollouts)]
     order = sorted(range(len(items)), key=lambda i: len(items[i]["prompt"]) + len(items[i]["continuation"]))
     items = [items[i] for i in order]
-    scores: list[dict] = [{} for _ in drafters]
     for b in range(0, len(items), batch_size):   # the step-wise forward: every batch padded to its longest
         fed += len(items[b: b + batch_size]) * max(len(it["prompt"]) + len(it["continuation"])
                                                     for it in items[b: b + batch_size])
-    for it, per_drafter in zip(items, chain_correct_many(drafters, target, items, aux, steps, batch_size, "cpu")):
-        for d, (rows, chain_ok, forced_ok) in enumerate(per_drafter):
-            for r, t in enumerate(rows.tolist()):
-                scores[d][(it["conversation"], t)] = (int(torch.cumprod(chain_ok[r].long(), 0).sum()),
-                                                      forced_ok[r].tolist())
+    results = chain_correct_many(drafters, target, items, aux, steps, batch_size, "cpu")
+    scores = by_anchor(((it["conversation"], r) for it, r in zip(items, results)), len(drafters))
     return {"seconds": time.perf_counter() - start, "target_tokens": fed, "scores": scores}
 
 
@@ -95,15 +92,10 @@ def one_pass(target, tok, conversations, cap, ncfg, drafters, aux, steps: int, t
     with_anchors = [c for c in convs if c["anchors"]]
     fed = sum(len(c["ids"]) + len(c["anchors"]) * (max(tokens, steps + 1) - 1) for c in with_anchors)
     for b in range(0, len(convs), ncfg.batch_size):   # the step-wise pass over the real text, padded per batch
-        group = [c for c in convs[b: b + ncfg.batch_size]]
+        group = convs[b: b + ncfg.batch_size]
         fed += len(group) * max(len(c["ids"]) for c in group)
-    scores: list[dict] = [{} for _ in drafters]
     results = natural_results(drafters, target, convs, aux, steps, tokens, tok.eos_token_id, ncfg.batch_size, "cpu")
-    for conv, per_drafter in zip(convs, results):
-        for d, (rows, chain_ok, forced_ok) in enumerate(per_drafter):
-            for r, t in enumerate(rows.tolist()):
-                scores[d][(conv["conversation"], t)] = (int(torch.cumprod(chain_ok[r].long(), 0).sum()),
-                                                        forced_ok[r].tolist())
+    scores = by_anchor(((c["conversation"], r) for c, r in zip(convs, results)), len(drafters))
     return {"seconds": time.perf_counter() - start, "target_tokens": fed, "scores": scores, "convs": convs}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvshot.evaluate.branches import branch_items, branch_rollouts, conversation_anchors, rollout
-from kvshot.evaluate.natural import natural_results
+from kvshot.evaluate.natural import by_anchor, natural_results
 from kvshot.evaluate.stepwise import chain_correct_many
 
 MAX_PREFIX = 96
@@ -45,18 +45,10 @@ def both_ways(target, drafters: list, aux, steps: int, world: dict, convs: list[
         for it in branch_items(conv):
             items.append(it | {"continuation": world["generated"][i]})
             i += 1
-    ref: list[dict] = [{} for _ in drafters]
-    for it, per_drafter in zip(items, chain_correct_many(drafters, target, items, aux, steps, 8, "cpu")):
-        for d, (rows, chain_ok, forced_ok) in enumerate(per_drafter):
-            for r, t in enumerate(rows.tolist()):
-                ref[d][(it["conversation"], t)] = (int(torch.cumprod(chain_ok[r].long(), 0).sum()), forced_ok[r].tolist())
-    new: list[dict] = [{} for _ in drafters]
+    ref = by_anchor(((it["conversation"], r) for it, r in
+                     zip(items, chain_correct_many(drafters, target, items, aux, steps, 8, "cpu"))), len(drafters))
     results = natural_results(drafters, target, convs, aux, steps, world["tokens"], world["eos"], 3, "cpu")
-    for conv, per_drafter in zip(convs, results):
-        for d, (rows, chain_ok, forced_ok) in enumerate(per_drafter):
-            for r, t in enumerate(rows.tolist()):
-                new[d][(conv["conversation"], t)] = (int(torch.cumprod(chain_ok[r].long(), 0).sum()), forced_ok[r].tolist())
-    return ref, new
+    return ref, by_anchor(((c["conversation"], r) for c, r in zip(convs, results)), len(drafters))
 
 
 def disagreements(ref: dict, new: dict) -> int:

@@ -161,6 +161,11 @@ def check_consistency(cfg: dict, fail: Callable[[list[str], str], None], partial
         if drafters["ttt_steps"] + 2 > tc["max_len"]:
             fail(["drafters", "ttt_steps"], f"{drafters['ttt_steps']} steps need sequences of at least "
                  f"{drafters['ttt_steps'] + 2} tokens (drafters.train.max_len is {tc['max_len']})")
+        natural = (ev or {}).get("natural") or {}
+        if natural.get("rollout_tokens", drafters["ttt_steps"] + 1) < drafters["ttt_steps"] + 1:
+            # the stage that rolls the branches out reads only eval: the bound is checked here, on the whole config
+            fail(["eval", "natural", "rollout_tokens"], f"{natural['rollout_tokens']} tokens per branch, the step-wise "
+                 f"chain of drafters.ttt_steps = {drafters['ttt_steps']} needs K + 1 = {drafters['ttt_steps'] + 1}")
         samples = tc.get("train_samples") or (data or {}).get("train_samples")
         if samples is not None and tc["batch_size"] > samples:
             fail(["drafters", "train", "batch_size"],

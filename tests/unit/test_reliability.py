@@ -49,6 +49,8 @@ CASES = [
      "target.arch.num_key_value_heads", "do not divide"),
     ("ttt_steps longer than sequences", lambda c: _set(c, "drafters.ttt_steps", 63), "drafters.ttt_steps",
      "at least"),
+    ("natural branches shorter than K + 1", lambda c: _set(c, "eval.natural", {"rollout_tokens": 2}),
+     "eval.natural.rollout_tokens", "needs K + 1"),
     ("duplicate variant names", lambda c: c["drafters"]["variants"].append(
         {"name": "eagle3", "paradigm": "kv", "layers": 2}), "drafters.variants.6.name", "defined twice"),
     ("batch above train samples", lambda c: _set(c, "drafters.train.batch_size", 49),

@@ -165,7 +165,7 @@ def run_e2e_stage(cfg: Config, rt: Runtime, drafter_dirs: list[str], target_dir:
     modes = specs(cfg)
     if getattr(drafters[0], "block_wise", False):   # a block drafter drafts chains only (one forward per round)
         modes = {"chain": modes["chain"]}
-    # what target.generate(do_sample=False) produced (natural: its short rollout), cut to this stage's length
+    # the target's greedy reference (continuations: generate's output; natural: the anchor's branch rollout), cut
     reference = [it["continuation"][:n_new] for it in items]
 
     def ids(it):

@@ -9,7 +9,7 @@ cumulative product `chain_counts` takes), and acc_k comes out of the same pass.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -71,9 +71,15 @@ def natural_results(drafters: list[Drafter], target, convs: list[dict], aux_laye
         yield from (list(r) for r in zip(*per_drafter))
 
 
-def natural_keys(convs: list[dict]) -> list:
-    """The grouping key of each conversation's anchors (its index in the eval split)."""
-    return [c["conversation"] for c in convs]
+def by_anchor(keyed_results: Iterable[tuple[object, list[Results]]], n_drafters: int) -> list[dict]:
+    """Per drafter, {(sequence key, t): (chain length, teacher-forced row)} from (key, one `Results`
+    per drafter) pairs: what two scorings of the same anchors must agree on (tests, benchmarks/natural.py)."""
+    out: list[dict] = [{} for _ in range(n_drafters)]
+    for key, per_drafter in keyed_results:
+        for d, (rows, chain_ok, forced_ok) in enumerate(per_drafter):
+            for r, t in enumerate(rows.tolist()):
+                out[d][(key, t)] = (int(torch.cumprod(chain_ok[r].long(), 0).sum()), forced_ok[r].tolist())
+    return out
 
 
 def branch_repetition(convs: list[dict], rollout_tokens: int, eos_id: int | None, n: int = 4) -> dict:

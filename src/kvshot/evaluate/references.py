@@ -102,8 +102,8 @@ def run_continuations_stage(cfg: Config, rt: Runtime, eval_jsonl: str, target_di
     if natural_out:
         ncfg, start = ecfg.natural, time.time()
         real = [c["messages"] for c in read_jsonl(eval_jsonl)]   # real assistant text: the eval split itself
-        # branches of K + 1 tokens at least: the step-wise chain's inputs c_0..c_{K-1} and the target's c_K
-        tokens = max(ncfg.rollout_tokens, cfg.drafters.ttt_steps + 1)
+        # K + 1 tokens at least (the step-wise chain's inputs c_0..c_{K-1} and the target's c_K): checks.py
+        tokens = ncfg.rollout_tokens
         convs = natural_conversations(target, tokenizer, real, ncfg.anchors, ncfg.max_prefix_len, tokens, cfg.seed,
                                       rt.device)
         anchors = sum(len(c["anchors"]) for c in convs)

@@ -25,7 +25,7 @@ from kvshot.core.progress import progress
 from kvshot.drafters import Drafter
 from kvshot.drafters.unroll import any_unroll, is_block
 from kvshot.evaluate.eval_models import load_models
-from kvshot.evaluate.natural import branch_repetition, natural_keys, natural_results, read_natural, scored_anchors
+from kvshot.evaluate.natural import branch_repetition, natural_results, read_natural, scored_anchors
 from kvshot.evaluate.references import read_continuations, repetition_share
 from kvshot.settings import Config
 from kvshot.stats.metrics import (DEFAULT_MIN_ROUNDS, DEFAULT_MIN_SEQUENCES, chain_counts, chain_summary,
@@ -356,7 +356,7 @@ def natural_tallies(nat: dict, drafters: list[Drafter], target, aux: tuple[int, 
         raise DataError(f"{path}: branches of {min(short)} tokens, the step-wise chain needs K + 1 = {steps + 1} "
                         f"(drafters.ttt_steps); delete it and rerun target_continuations")
     results = natural_results(drafters, target, convs, aux, steps, tokens, eos, batch_size, device, dtype)
-    tallies = tallies_of(zip(natural_keys(convs), results), len(drafters), steps)
+    tallies = tallies_of(zip((c["conversation"] for c in convs), results), len(drafters), steps)
     extra = {"natural_anchors": {
         "conversations": len(convs), "without_anchors": sum(not c["anchors"] for c in convs),
         "anchors": sum(len(c["anchors"]) for c in convs),
