@@ -77,7 +77,14 @@ def test_smoke_dag_end_to_end(smoke_workdir):
     claims = json.loads((wd / "results/claims.json").read_text())
     assert len(claims) == 10 and all(c["verdict"] for c in claims)
     assert {c["protocol"] for c in claims if "protocol" in c} <= {"continuations", "natural"}
-    assert len(json.loads((wd / "results/eval/natural.json").read_text())["items"]) == 24
+    natural = json.loads((wd / "results/eval/natural.json").read_text())
+    convs = {c["conversation"]: c for c in natural["conversations"]}
+    assert sum(len(c["anchors"]) for c in convs.values()) == 24   # eval.natural.anchors: a cap on the candidates
+    # E2E: one prompt per conversation that holds anchors, cut at one of its anchors, its branch the reference
+    assert len(natural["items"]) == sum(bool(c["anchors"]) for c in convs.values())
+    for it in natural["items"]:
+        conv = convs[it["conversation"]]
+        assert it["anchors"][0] in conv["anchors"] and it["prompt"] == conv["ids"][: it["anchors"][0] + 1]
     assert all(c.get("seeds") == 2 for c in claims if c.get("seeds") is not None)
     assert any(c.get("seeds") == 2 for c in claims)
     for table in ("stepwise", "steps", "context", "depth", "e2e", "paper", "training", "benchmarks"):

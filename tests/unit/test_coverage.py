@@ -42,3 +42,28 @@ def test_mat_difference_of_0_3_is_decided_and_a_null_is_not():
     assert 0.15 < power["mde"] < 0.3, power
     null = decided(DEFAULT_SHAPE, [EAGLE, EAGLE], "mat", reps=200, samples=200, seed=1)
     assert null["decided"] <= 0.07, null
+
+
+def test_every_anchor_design_covers_with_unequal_correlated_counts():
+    # every held-out position an anchor: ~60 anchors per conversation on average, conversation sizes
+    # log-normal (sd 1: the largest hold ~10x the median), runs of 20 neighbouring anchors (a turn)
+    # sharing an effect on top of the conversation's; the intervals resample whole conversations
+    design = Design(conversations=100, anchors=6000, seeds=3, seed_sd=0.03, size_sd=1.0, turn_anchors=20,
+                    turn_sd=0.7)
+    got = coverage(design, [EAGLE, OTHER], ["alpha_0", "alpha_6", "mat", "retention"], reps=600, samples=200)
+    for name, share in got.items():
+        assert 0.93 <= share <= 0.97, (name, share)
+
+
+def test_the_every_anchor_design_is_unequal_and_clustered():
+    # the design above is what it says: very unequal counts, and turns that tie neighbouring anchors
+    import torch
+
+    from kvshot.stats.power import draw
+    design = Design(conversations=100, anchors=6000, seeds=1, size_sd=1.0, turn_anchors=20, turn_sd=0.7)
+    panel = draw(design, [EAGLE], torch.Generator().manual_seed(0))[0]
+    counts = torch.bincount(panel.sequence)
+    assert counts.max() >= 8 * counts.float().median() and counts.min() >= 1
+    flat = Design(conversations=100, anchors=6000, seeds=1)
+    even = torch.bincount(draw(flat, [EAGLE], torch.Generator().manual_seed(0))[0].sequence)
+    assert even.max() < 2 * even.float().median()

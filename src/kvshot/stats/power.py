@@ -34,6 +34,11 @@ class Design:
     anchor_sd: float = 1.0
     seed_sd: float = 0.05
     variant_anchor_sd: float = 0.5
+    # every held-out position an anchor: conversations hold very unequal counts (log-normal sizes of
+    # this spread) and neighbouring anchors of one assistant turn share a difficulty of their own
+    size_sd: float = 0.0
+    turn_anchors: int = 0
+    turn_sd: float = 0.0
 
 
 def _logit(p: float) -> float:
@@ -44,10 +49,19 @@ def draw(design: Design, alphas: list[list[float]], gen: torch.Generator) -> lis
     """One evaluation of len(alphas) variants on the same anchors; alphas[v][k] on the logit scale
     is shifted by the random effects (so the population alpha_k is near, not equal to, alphas)."""
     d = design
-    sequence = torch.sort(torch.randint(0, d.conversations, (d.anchors,), generator=gen)).values
+    if d.size_sd:
+        size = torch.exp(torch.randn(d.conversations, generator=gen, dtype=torch.float64) * d.size_sd)
+        sequence = torch.sort(torch.multinomial(size, d.anchors, replacement=True, generator=gen)).values
+    else:   # equal expected counts (the draws the sampled-anchor designs were tested with)
+        sequence = torch.sort(torch.randint(0, d.conversations, (d.anchors,), generator=gen)).values
     sequence = torch.unique(sequence, return_inverse=True)[1]     # only conversations that hold anchors
     shared = (torch.randn(d.conversations, generator=gen, dtype=torch.float64)[sequence] * d.conversation_sd
               + torch.randn(d.anchors, generator=gen, dtype=torch.float64) * d.anchor_sd)
+    if d.turn_anchors:
+        first = torch.searchsorted(sequence, sequence)              # the conversation's first anchor (sorted)
+        turn = torch.unique(sequence * d.anchors + (torch.arange(d.anchors) - first) // d.turn_anchors,
+                            return_inverse=True)[1]
+        shared = shared + torch.randn(int(turn.max()) + 1, generator=gen, dtype=torch.float64)[turn] * d.turn_sd
     panels = []
     for a in alphas:
         base = torch.tensor([_logit(x) for x in a], dtype=torch.float64)
