@@ -91,10 +91,10 @@ def truth(design: Design, alphas: list[list[float]], names: list[str], seed: int
 
 
 def coverage(design: Design, alphas: list[list[float]], names: list[str], reps: int, samples: int = 400,
-             seed: int = 0, level: float = LEVEL) -> dict[str, float]:
+             seed: int = 0, level: float = LEVEL, truth_replicates: int = 400) -> dict[str, float]:
     """Share of `reps` synthetic evaluations whose interval holds the truth: each statistic of the
     first variant, and (with two variants) the paired difference as `<name> diff`."""
-    true = truth(design, alphas, names)
+    true = truth(design, alphas, names, replicates=truth_replicates)
     gen = torch.Generator().manual_seed(seed)
     hits = {n: 0 for n in names} | ({f"{n} diff": 0 for n in names} if len(alphas) > 1 else {})
     for i in range(reps):
