@@ -13,6 +13,7 @@ score differently (chain length or teacher-forced row). Targets: >= 20x fewer to
 less wall time, no disagreement; exits non-zero when one is missed.
 
     python benchmarks/natural.py [--config config/config.yaml] [--conversations 8] [--anchors N]
+    python benchmarks/natural.py --config config/config.yaml config/smollm2.yaml --conversations 1
 
 It reads the run's target (results/target/model: `snakemake results/target/model --cores all`
 with the same config) and eval split, and drafts with one fresh drafter per paradigm of the
