@@ -88,10 +88,10 @@ def per_anchor(target, tok, convs: list[dict], drafters, aux, steps: int, tokens
 
 def one_pass(target, tok, conversations, cap, ncfg, drafters, aux, steps: int, tokens: int, seed: int) -> dict:
     start = time.perf_counter()
-    convs = natural_conversations(target, tok, conversations, cap, ncfg.max_prefix_len, max(tokens, steps + 1), seed,
-                                  "cpu")
+    # tokens >= K + 1: the config check (checks.py) holds eval.natural.rollout_tokens to it
+    convs = natural_conversations(target, tok, conversations, cap, ncfg.max_prefix_len, tokens, seed, "cpu")
     with_anchors = [c for c in convs if c["anchors"]]
-    fed = sum(len(c["ids"]) + len(c["anchors"]) * (max(tokens, steps + 1) - 1) for c in with_anchors)
+    fed = sum(len(c["ids"]) + len(c["anchors"]) * (tokens - 1) for c in with_anchors)
     for b in range(0, len(convs), ncfg.batch_size):   # the step-wise pass over the real text, padded per batch
         group = convs[b: b + ncfg.batch_size]
         fed += len(group) * max(len(c["ids"]) for c in group)

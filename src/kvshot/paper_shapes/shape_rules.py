@@ -370,7 +370,7 @@ class PaperShapes:
             greedy_continuations(self.target, stub, [prompt], new_tokens, "cpu")
         rows[-1].tflop -= rows[-2].tflop   # the tokens after the first: the prefill left out
         # one conversation of the longest prefix, every position an anchor: its real pass and K rounds
-        prefix, tokens = ncfg.max_prefix_len, max(ncfg.rollout_tokens, self.cfg.drafters.ttt_steps + 1)
+        prefix, tokens = ncfg.max_prefix_len, ncfg.rollout_tokens   # >= K + 1 (checks.py)
         with self._measure(rows, "target_continuations natural", "1 conversation", "anchor", prefix - 1):
             branch_rollouts(self.target, [1] * prefix, list(range(prefix - 1)), tokens, "cpu")
         fcfg = self.cfg.features
