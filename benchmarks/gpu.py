@@ -25,6 +25,7 @@ H200); a figure that fails or is out of time prints its line with "error" or "sk
     python benchmarks/gpu.py [--config config/paper.yaml] [--out results/benchmarks/gpu.jsonl]
     python benchmarks/gpu.py --dry     # CPU, tiny shapes, the same code paths (tests, CI)
     python benchmarks/gpu.py --only-costs [--shape paper]   # config, online_features, compiled_step, rule_cost
+    python benchmarks/gpu.py --dry --compiled hidden   # compiled_step for one paradigm only (the unit test's run)
 
 --dry uses the smoke overlay's tiny target (config.yaml + smoke.yaml) at sequence length 16 on CPU in fp32: the
 training step runs under `sdpa` (flex_attention has no CPU backward: its loss runs forward
@@ -297,7 +298,7 @@ def rank_step(model, fwd, opt, params, src, sequences: int, head_w, steps: int, 
     return {"loss": float(loss.detach()), "grad_norm": float(norm)}
 
 
-def compiled_steps(run: "Run", cfg: Config, device: str, dtype: torch.dtype) -> None:
+def compiled_steps(run: "Run", cfg: Config, device: str, dtype: torch.dtype, only: list[str] | None = None) -> None:
     """Per paradigm (block-wise included), at the small shape: two training steps through the
     backend `auto` picks for training on CUDA (flex, its block masks and kernel compiled), the
     first with the compilation, against the same first step through the reference attention
@@ -309,7 +310,8 @@ def compiled_steps(run: "Run", cfg: Config, device: str, dtype: torch.dtype) -> 
     dcfg = cfg.drafters
     paradigms: dict[str, str] = {}
     for v in cfg.all_variants():
-        paradigms.setdefault(v.paradigm, v.name)
+        if only is None or v.paradigm in only:
+            paradigms.setdefault(v.paradigm, v.name)
     folder = Path(tempfile.mkdtemp(prefix="kvshot-gpu-compiled-"))
     try:
         src = online_source(folder / "features", target, 2, size["seq_len"], size["features"], rt)
@@ -457,6 +459,8 @@ def main() -> int:
     ap.add_argument("--skip-dag", action="store_true")
     ap.add_argument("--shape", choices=("small", "paper"), default=None,
                     help="sizes of the per-paradigm rule_cost rows (default: small with --dry, else paper)")
+    ap.add_argument("--compiled", default=None,
+                    help="comma-separated paradigms of the compiled_step rows (default: every paradigm of the config)")
     ap.add_argument("--only-costs", action="store_true",
                     help="config, online_features, compiled_step and the rule_cost rows only (a short device check)")
     args = ap.parse_args()
@@ -550,7 +554,7 @@ def main() -> int:
                    paradigm=paradigm)
     del models, batch
     try:
-        compiled_steps(run, cfg, device, dtype)
+        compiled_steps(run, cfg, device, dtype, args.compiled.split(",") if args.compiled else None)
     except Exception as e:   # the setup: one line, the rest go on
         traceback.print_exc(file=sys.stderr)
         run.emit("compiled_step", error=f"{type(e).__name__}: {str(e)[:300]}")

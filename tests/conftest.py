@@ -22,6 +22,11 @@ PIPELINE_TIER = Path(__file__).resolve().parent / "pipeline"
 SHARED_RUN_FIXTURES = {"smoke_workdir", "slurm_run"}
 
 
+# tryfirst: the marker must be on the item before xdist's own hook (WorkerInteractor, called
+# before this conftest otherwise) turns it into the group; without it, and under pytest 9 (whose
+# node ids xdist 3.8 can no longer suffix: pyproject pins pytest 8), every module's tests were
+# spread over both workers and their module fixtures built twice (issue 48)
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if PIPELINE_TIER in Path(item.fspath).resolve().parents:
@@ -30,6 +35,16 @@ def pytest_collection_modifyitems(config, items):
         # worker, so its module-scoped fixtures are built once
         shared = SHARED_RUN_FIXTURES & set(getattr(item, "fixturenames", ()))
         item.add_marker(pytest.mark.xdist_group("smoke_dag" if shared else item.nodeid.split("::")[0]))
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """On the controller under loadgroup: every test id a worker collected must carry its group
+    (`nodeid@group`); stop in one line if the grouping silently stopped working."""
+    if node.config.getvalue("dist") == "loadgroup" and any("@" not in i for i in ids):
+        import xdist
+
+        raise pytest.UsageError(f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__}: --dist loadgroup "
+                                "does not group tests (ids lack '@group'); install the versions pyproject.toml pins")
+
 
 WORDS = ("the cache keeps every key and value while hidden states summarise what the next "
          "token needs so a drafter may lose context far ahead").split()

@@ -259,7 +259,9 @@ def test_optimized_unroll_and_backends_match_the_reference_loop(paradigm, block_
 def test_gpu_benchmark_dry_run(tmp_path):
     """benchmarks/gpu.py --dry: every figure of the GPU check on CPU at tiny sizes, one JSON
     line each and no errors; the config line shows `auto`'s CUDA choice (flex to train, SDPA
-    to decode) and the CPU fp32 one (the fused kernel)."""
+    to decode) and the CPU fp32 one (the fused kernel). compiled_step runs for the hidden
+    paradigm only: the same step through CUDA's branches for every paradigm and block kind is
+    test_cuda_branches.py's (issue 48: the four other compiles cost ~25 s here)."""
     import json
     import subprocess
     import sys
@@ -267,7 +269,7 @@ def test_gpu_benchmark_dry_run(tmp_path):
     from ..conftest import REPO
 
     out = tmp_path / "gpu.jsonl"
-    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--dry", "--out", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--dry", "--compiled", "hidden", "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in out.read_text().splitlines()]
@@ -278,7 +280,7 @@ def test_gpu_benchmark_dry_run(tmp_path):
     assert (config["cuda_training_backend"], config["cuda_decoding_backend"]) == ("flex", "sdpa")
     assert config["cpu_fp32_training_backend"] == "flash_cpu"
     compiled = {x["paradigm"]: x for x in lines if x["figure"] == "compiled_step"}   # CUDA's branches, on CPU
-    assert set(compiled) == {"hidden", "kv", "hybrid", "standalone", "block"}
+    assert set(compiled) == {"hidden"}
     for x in compiled.values():
         assert x["backend"] == ["flex"] and x["cpu_as_cuda"] and x["loss_rel_err"] < 1e-2 and x["grad_norm_rel_err"] < 3e-2
     steps = {(x["paradigm"], x["backend"]): x for x in lines if x["figure"] == "train_step"}
