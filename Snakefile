@@ -40,6 +40,7 @@ include: "workflow/rules/report.smk"
 include: "workflow/rules/scaling.smk"
 include: "workflow/rules/blockwise.smk"
 include: "workflow/rules/plateau.smk"
+include: "workflow/rules/curve.smk"
 include: "workflow/rules/drift.smk"
 
 

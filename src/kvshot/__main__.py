@@ -149,6 +149,20 @@ def _cmd_scaling_report(args, cfg) -> dict:
                               args.figure, args.table)
 
 
+def _cmd_curve_report(args, cfg) -> dict:
+    from .report.curve import run_curve_report
+
+    c = cfg.curve
+    if c is None:
+        raise ConfigError("config: curve: missing (variants, tokens, points): the curve report needs it")
+    names = {v.name for v in cfg.drafters.variants}
+    for i, name in enumerate(c.variants):
+        if name not in names:
+            raise ConfigError(f"config: curve.variants.{i}: {name!r} is not in drafters.variants")
+    seeds = list(c.seeds or cfg.drafters.seeds or (cfg.seed,))[: None if c.seeds else 1]
+    return run_curve_report(args.results, list(c.variants), seeds, c.flat_gain, c.target_acc, args.figure, args.table)
+
+
 def _cmd_blockwise_report(args, cfg) -> dict:
     from .report.blockwise import run_blockwise_report
 
@@ -300,6 +314,10 @@ STAGES = {
     "scaling-report": Stage(
         _cmd_scaling_report, ("drafters", "scaling"),
         "MAT against the number of training samples (figures/scaling.pdf)", ("results", "figure", "table")),
+    "curve-report": Stage(
+        _cmd_curve_report, ("drafters", "curve"),
+        "held-out acc_k against training tokens: the table (--table, .csv and .json beside), figures/curve.pdf, "
+        "where each curve flattens", ("results", "figure", "table")),
     "blockwise-report": Stage(
         _cmd_blockwise_report, ("drafters", "blockwise"),
         "block-wise drafters vs the KV-only chains: figures/blockwise.pdf, table, verdicts", REPORT_PATHS,

@@ -23,7 +23,7 @@ from kvshot.core import taps
 from .checks import check_consistency
 from .settings import Config, FeaturesSettings
 
-SECTIONS = ("data", "tokenizer", "target", "features", "drafters", "eval", "scaling")
+SECTIONS = ("data", "tokenizer", "target", "features", "drafters", "eval", "scaling", "curve")
 GLOBALS = ("seed", "device", "dtype", "threads")
 
 

@@ -153,6 +153,7 @@ class TrainSettings:
     diagnostic_sequences: int
     length_grouping: int
     eval_every: int
+    eval_steps: tuple[int, ...]
     plateau: PlateauRule | None
     num_processes: int
     train_samples: int | None
@@ -326,6 +327,18 @@ class PlateauSettings:
 
 
 @dataclass(frozen=True)
+class CurveSettings:
+    variants: tuple[str, ...]
+    tokens: int
+    points: int
+    train_samples: int | None
+    max_minutes: float | None
+    flat_gain: float
+    target_acc: float
+    seeds: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
 class ScalingSettings:
     train_samples: tuple[int, ...]
     variants: tuple[str, ...]
@@ -350,6 +363,7 @@ class Config:
     published: PublishedSettings | None
     plateau: PlateauSettings | None
     scaling: ScalingSettings | None
+    curve: CurveSettings | None
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> "Config":

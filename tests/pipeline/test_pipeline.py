@@ -13,14 +13,24 @@ from ..dag import dry_run_jobs, job_counts, snakemake, workdir
 @pytest.mark.slow
 def test_smoke_dag_end_to_end(smoke_workdir):
     wd = smoke_workdir   # shared with the SLURM test's comparison and the export rule's test (conftest.py)
-    # `all` with the block-wise and drift targets on top, in one run (one DAG, both cores busy to the end)
-    proc = snakemake(wd, "all", "figures/blockwise.pdf", "figures/drift.pdf", "--cores", "2",
+    # `all` with the block-wise, drift and learning-curve targets on top, in one run (one DAG, both
+    # cores busy to the end)
+    proc = snakemake(wd, "all", "figures/blockwise.pdf", "figures/drift.pdf", "results/curve/curve.md", "--cores", "2",
                      "--configfile", "config/smoke.yaml")
     assert proc.returncode == 0, proc.stderr[-3000:]
     planned = job_counts(proc.stdout + proc.stderr)
     # the block-wise target reuses the default run's drafters and trains only its own (3 variants x 2
     # seeds); the drift target reuses those chains and the block variant, training only its 3 variants
     assert (planned["train_drafter"], planned["blockwise_train"], planned["drift_train"]) == (12, 6, 6), planned
+    # the learning curve: its own 16 captured train samples, each curve variant trained alone (seed 0)
+    # for 1,024 batch tokens (8 steps of 2 x 64) with held-out points at steps 1, 2, 4, 8
+    assert (planned["curve_capture"], planned["curve_train"], planned["curve_report"]) == (1, 2, 1), planned
+    assert json.loads((wd / "results/curve/features/train/index.json").read_text())["num_samples"] == 16
+    for name in ("eagle3", "kv-d1"):
+        curve = json.loads((wd / f"results/curve/drafters/{name}/seed0/metrics.json").read_text())["heldout_curve"]
+        assert [p["step"] for p in curve] == [1, 2, 4, 8] and 0 < curve[0]["train_tokens"] < curve[-1]["train_tokens"]
+        assert f"- {name}/seed0: acc_0" in (wd / "results/curve/curve.md").read_text()
+    assert (wd / "figures/curve.pdf").read_bytes()[:4] == b"%PDF"
     stats = json.loads((wd / "results/data/stats.json").read_text())
     src = stats["sources"][0]
     assert src["read"] == src["kept"] + sum(src["skipped"].values()) and src["skipped"]["truncated"] == 1

@@ -37,6 +37,11 @@ def run(tiny, feats, cfg, out, name="hyb", runtime_minutes=None):
                          runtime_minutes)
 
 
+def untimed(curve: list[dict]) -> list[dict]:
+    """A held-out curve without its wall-clock field (train_seconds), which no two runs share."""
+    return [{k: v for k, v in p.items() if k != "train_seconds"} for p in curve]
+
+
 def weights(folder):
     return load_file(str(folder / "model.safetensors"))
 
@@ -106,10 +111,32 @@ def test_heldout_point_comes_after_the_steps_checkpoint(tiny, tiny_features, tmp
     assert saved["progress"]["step"] == 4 and [p["step"] for p in saved["progress"]["heldout"]] == [2]
     monkeypatch.undo()
     m = run(tiny, tiny_features, cfg, tmp_path / "out")
-    assert m["resumed_from"] == 4 and m["heldout_curve"] == whole["heldout_curve"]
+    assert m["resumed_from"] == 4 and untimed(m["heldout_curve"]) == untimed(whole["heldout_curve"])
     assert [p["step"] for p in m["heldout_curve"]] == [2, 4, 6]
+    # the curve's x: training tokens over the resume, as the uninterrupted run counted them
+    assert [p["train_tokens"] for p in m["heldout_curve"]] == [p["train_tokens"] for p in whole["heldout_curve"]]
     a, b = weights(tmp_path / "whole"), weights(tmp_path / "out")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eval_steps_add_heldout_points_with_the_tokens_trained_so_far(tiny, tiny_features, tmp_path):
+    """drafters.train.eval_steps (the curve target's log-spaced points) beside eval_every: a
+    point at each, counting the real (unpadded) training tokens and the steps' own seconds."""
+    from kvshot.train.curve import curve_train, eval_points
+
+    cfg = small_cfg(tiny, eval_every=4, eval_steps=[1, 3])
+    m = run(tiny, tiny_features, cfg, tmp_path / "out")
+    curve = m["heldout_curve"]
+    assert [p["step"] for p in curve] == [1, 3, 4]
+    tokens = [p["train_tokens"] for p in curve]
+    assert 0 < tokens[0] < tokens[1] < tokens[2] <= 4 * 2 * 48   # batch 2 x 48 at most per step
+    assert all(a["train_seconds"] < b["train_seconds"] for a, b in zip(curve, curve[1:]))
+    # the curve target's plan: 8 points, halving from max_steps, on a budget of batch tokens
+    assert eval_points(1024, 8) == [8, 16, 32, 64, 128, 256, 512, 1024]
+    assert eval_points(5, 4) == [1, 2, 5]   # 5 / 4 and 5 / 8 both round to 1: taken once
+    plan = curve_train({"tokens": 1_048_576, "points": 8, "max_minutes": 45}, {"batch_size": 4, "max_len": 256})
+    assert plan == {"max_steps": 1024, "eval_every": 0, "eval_steps": [8, 16, 32, 64, 128, 256, 512, 1024],
+                    "plateau": None, "train_samples": None, "max_minutes": 45}
 
 
 def test_changed_config_does_not_resume(tiny, tiny_features, tmp_path, capsys):

@@ -3,6 +3,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 SRC = str(Path(workflow.basedir) / "src")
 sys.path.insert(0, SRC)
@@ -236,6 +237,45 @@ def plateau_overlay(wildcards):
                 raise WorkflowError(f"config: drafters.variants.{own['name']}.train.{key}: the plateau target sets "
                                     f"drafters.train.{key}; a variant's own would escape it")
     train = {"max_steps": plateau["max_steps"], "eval_every": plateau["eval_every"], "plateau": plateau["rule"]}
+    return f" --config {shlex.quote(json.dumps({'drafters': {'train': train}}, sort_keys=True))}"
+
+
+# the learning curve (curve.smk, config `curve`; not part of `all`)
+CURVE = config.get("curve") or {}
+CURVE_VARIANTS = list(CURVE.get("variants") or [])
+CURVE_SEEDS = [int(s) for s in CURVE.get("seeds") or SEEDS[:1]]
+
+
+def curve_section():
+    if not CURVE:
+        raise WorkflowError("config: curve: missing (variants, tokens, points): the curve target needs it")
+    for i, name in enumerate(CURVE_VARIANTS):   # checked here: a config that drops a variant needs no curve
+        if name not in VARIANTS:
+            raise WorkflowError(f"config: curve.variants.{i}: {name!r} is not in drafters.variants")
+    return CURVE
+
+
+def curve_capture_overlay(wildcards):
+    """The curve's train features: curve.train_samples captured samples (null: features.max_samples)."""
+    import shlex
+
+    n = curve_section().get("train_samples")
+    return f" --config {shlex.quote(json.dumps({'features': {'max_samples': n}}))}" if n else ""
+
+
+def curve_overlay(wildcards):
+    """drafters.train's change for one curve drafter, as `--config` words (kvshot.train.curve)."""
+    import shlex
+
+    from kvshot.train.curve import CURVE_SETS, curve_train
+
+    curve = curve_section()
+    (own,) = job_variants(wildcards)
+    for key in CURVE_SETS:
+        if key in own.get("train", {}):
+            raise WorkflowError(f"config: drafters.variants.{own['name']}.train.{key}: the curve target sets "
+                                f"drafters.train.{key}; a variant's own would escape it")
+    train = curve_train(curve, {**config["drafters"]["train"], **own.get("train", {})})
     return f" --config {shlex.quote(json.dumps({'drafters': {'train': train}}, sort_keys=True))}"
 
 

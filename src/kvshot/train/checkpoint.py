@@ -30,8 +30,9 @@ _legacy: dict[str, set[str]] = {}
 
 def _trains_alike(key: str, value, ignored: tuple[str, ...] = NOT_FINGERPRINTED) -> bool:
     """A setting that does not change what is trained: one of `ignored`, or length grouping off
-    (0 or 1; added after checkpoints existed, so off it leaves their fingerprint as it was)."""
-    return key in ignored or (key == "length_grouping" and int(value or 0) <= 1)
+    (0 or 1) or no eval_steps (both added after checkpoints existed: off, they leave their
+    fingerprint as it was)."""
+    return key in ignored or (key == "length_grouping" and int(value or 0) <= 1) or (key == "eval_steps" and not value)
 
 
 def _digest(variant: Variant, cfg: Config, rt: Runtime, inputs: dict, ignored: tuple[str, ...]) -> str:

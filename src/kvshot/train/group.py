@@ -18,6 +18,7 @@ walks the members in the same order, so their collectives pair up.
 from __future__ import annotations
 
 import shutil
+import time
 from dataclasses import asdict
 
 from kvshot.checks import GROUP_SHARED, stream_settings
@@ -140,9 +141,11 @@ def train_group(cfg: Config, rt: Runtime, names: list[str], train_dir: str, eval
                 batches[ids] = fetch_batch(run, list(ids))
             p = run.progress
             logging = p["step"] % run.tc.log_every == 0 or p["step"] + 1 == run.tc.max_steps
+            started = time.perf_counter()
             s = train_step(run, logging, batches[ids])
             if logging:
                 log(run, s)
+            p["seconds"] += time.perf_counter() - started   # its own step (the shared read apart)
             del s
             run.bar.update(1)
             if p["step"] % run.tc.ckpt_every == 0 and p["step"] < run.tc.max_steps:

@@ -242,6 +242,8 @@ def setup_member(cfg: Config, rt: Runtime, shared: Shared, name: str, train_dir:
             progress.pop("stopped_by", None)
         print(f"resuming {name} from step {progress['step']} ({ckpt})", flush=True)
     progress.setdefault("heldout", [])
+    progress.setdefault("tokens", 0)      # training tokens of earlier attempts (`tokens_so_far`) and seconds
+    progress.setdefault("seconds", 0.0)   # so far: the held-out points' x; a checkpoint older than them starts here
     # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second fp32 copy
     ddp = training_forward(model) if world == 1 else \
         torch.nn.parallel.DistributedDataParallel(training_forward(model), gradient_as_bucket_view=True)
@@ -411,8 +413,8 @@ def heldout_due(run: Run) -> bool:
     """An eval_every step without its held-out point (also one resumed from the checkpoint
     written just before that point: a crash in the evaluation loses no training)."""
     every, p = run.tc.eval_every or 0, run.progress
-    return bool(every) and p["step"] > 0 and p["step"] % every == 0 and \
-        not (p["heldout"] and p["heldout"][-1]["step"] == p["step"])
+    due = (bool(every) and p["step"] % every == 0) or p["step"] in (run.tc.eval_steps or ())
+    return due and p["step"] > 0 and not (p["heldout"] and p["heldout"][-1]["step"] == p["step"])
 
 
 def evaluate_heldout(run: Run) -> bool:
@@ -421,6 +423,8 @@ def evaluate_heldout(run: Run) -> bool:
     tc, step = run.tc, run.progress["step"]
     point = heldout_point(run.model, run.shared.val_src, run.head_w, run.steps_k, run.decay, tc.batch_size,
                           tc.eval_batches, run.rt.dtype, step, rank=run.rank, world=run.world)
+    # where on the learning curve: tokens and seconds trained so far, over resumes (not the evaluation's)
+    point.update(train_tokens=tokens_so_far(run), train_seconds=round(run.progress["seconds"], 3))
     run.progress["heldout"].append(point)
     run.live.append(point)
     run.bar.write(f"train {run.name}: step {step} held-out loss {point['heldout_loss']:.4f} "
@@ -430,9 +434,15 @@ def evaluate_heldout(run: Run) -> bool:
                                              plateau.min_acc_delta)
 
 
+def tokens_so_far(run: Run) -> int:
+    """Training tokens over every attempt (all processes): progress["tokens"] holds the earlier
+    attempts' and stays put during this one (a device read here, not one per step)."""
+    return run.progress["tokens"] + int(run.tokens) * run.world
+
+
 def checkpoint(run: Run) -> None:
-    if run.rank == 0:
-        save_checkpoint(run.ckpt, run.model, run.opt, run.sched, run.progress)
+    if run.rank == 0:   # the saved progress counts this attempt's tokens in
+        save_checkpoint(run.ckpt, run.model, run.opt, run.sched, {**run.progress, "tokens": tokens_so_far(run)})
     run.saved_step = run.progress["step"]
     run.shared.accel.wait_for_everyone()
 
@@ -512,9 +522,11 @@ def train_variant(cfg: Config, rt: Runtime, name: str, train_dir: str, eval_dir:
                 p["stopped_by"] = "max_minutes"
                 break
         logging = p["step"] % tc.log_every == 0 or p["step"] + 1 == tc.max_steps
+        started = time.perf_counter()
         s = train_step(run, logging)
         if logging:
             log(run, s)
+        p["seconds"] += time.perf_counter() - started   # training only, over resumes
         del s   # nothing of this step is alive while the next one runs
         run.bar.update(1)
         if p["step"] % tc.ckpt_every == 0 and p["step"] < tc.max_steps:

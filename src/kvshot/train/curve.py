@@ -1,0 +1,30 @@
+"""The learning curve's training plan (`snakemake results/curve/curve.md`, workflow/rules/curve.smk):
+how many steps a token budget buys and where the held-out points go. Plain dicts in and out,
+as Snakemake holds the config."""
+from __future__ import annotations
+
+import math
+
+# what the curve sets: a variant's own value would escape it
+CURVE_SETS = ("max_steps", "eval_every", "eval_steps", "plateau", "max_minutes", "train_samples")
+
+
+def curve_steps(tokens: int, batch_size: int, max_len: int) -> int:
+    """Optimizer steps that train `tokens` batch tokens (batch_size x max_len a step, padding included)."""
+    return max(1, math.ceil(tokens / (batch_size * max_len)))
+
+
+def eval_points(max_steps: int, points: int) -> list[int]:
+    """Held-out steps even on a log axis: max_steps, then halving, `points` of them at most
+    (fewer when max_steps is too small to halve that often: no step is taken twice)."""
+    return sorted({max(1, round(max_steps / 2 ** i)) for i in range(points)})
+
+
+def curve_train(curve: dict, train: dict) -> dict:
+    """drafters.train's overlay for one curve drafter; `train` is the variant's merged train settings."""
+    steps = curve_steps(int(curve["tokens"]), int(train["batch_size"]), int(train["max_len"]))
+    out = {"max_steps": steps, "eval_every": 0, "eval_steps": eval_points(steps, int(curve["points"])),
+           "plateau": None, "train_samples": None}
+    if curve.get("max_minutes"):
+        out["max_minutes"] = curve["max_minutes"]
+    return out
