@@ -202,7 +202,7 @@ def _cmd_published_table(args, cfg) -> dict:
 def _cmd_readme(args, cfg) -> dict:
     from .report import update_readme
 
-    update_readme(args.results, [v.name for v in cfg.drafters.variants], args.readme, args.image)
+    update_readme(args.results, [v.name for v in cfg.drafters.variants], args.readme, args.image, args.full, args.block)
     return {"readme": args.readme, "image": args.image}
 
 
@@ -340,7 +340,10 @@ STAGES = {
         _cmd_readme, ("drafters",), "regenerate the README's results block", (),
         (("--results", dict(default="results", help="the results folder of a finished run")),
          ("--readme", dict(default="README.md", help="the README whose results block is replaced")),
-         ("--image", dict(default="docs/decay.png", help="where to copy the decay figure as PNG")))),
+         ("--image", dict(default="docs/decay.png", help="where to copy the decay figure as PNG")),
+         ("--full", dict(default=None, help="the full tables and verdicts (default: results.md beside --image)")),
+         ("--block", dict(default="results", help="the README block to replace, between <!-- BLOCK:start --> and "
+                          "<!-- BLOCK:end --> (smollm2: the real target's run)")))),
     # EAGLE-3 checkpoints (kvshot.interop.export); --config optional: only features.aux_layers is read
     "export": Stage(
         _cmd_export, ("features",), "write a drafter as a checkpoint serving engines load", (),

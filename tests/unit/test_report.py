@@ -105,6 +105,25 @@ def test_readme_block_is_regenerated_from_results(tmp_path):
     assert readme.read_text() == text
 
 
+def test_a_named_block_is_regenerated_and_the_default_block_left_alone(tmp_path):
+    """--block smollm2: the real target's run fills its own block and full file; the default
+    run's block and docs/results.md stay as they were."""
+    from kvshot.report import update_readme
+
+    write_results(tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- results:start -->\ndefault\n<!-- results:end -->\n<!-- smollm2:start -->\nstale\n"
+                      "<!-- smollm2:end -->\n")
+    update_readme(str(tmp_path), NAMES, str(readme), str(tmp_path / "docs/decay-smollm2.png"),
+                  str(tmp_path / "docs/smollm2-results.md"), "smollm2")
+    text = readme.read_text()
+    assert "<!-- results:start -->\ndefault\n<!-- results:end -->" in text and "stale" not in text
+    assert "| n_6 |" in text.split("<!-- smollm2:start -->")[1] and "| P1 long-range advantage |" in text
+    full = (tmp_path / "docs/smollm2-results.md").read_text()
+    assert full.startswith("# Results of the smollm2 run") and "--block smollm2" in full
+    assert not (tmp_path / "docs/results.md").exists()
+
+
 def test_both_protocols_in_tables_figures_and_readme(tmp_path):
     from kvshot.report import update_readme
 
