@@ -191,6 +191,9 @@ def test_tables_and_claims_read_insufficient_where_the_record_says_so():
     assert "insufficient" in c and "1 sequence < min_sequences 3" in c["insufficient"]
     assert "not decided" in comparison_text(c) and c["sequences"] == 1 and c["min_sequences"] == 3
     assert "alpha_6 of eagle3: insufficient data" in judge.take_notes()
+    # a step no anchor reaches has no difference at all: it reads "no estimate", not "+nan"
+    undefined = c | {"difference": float("nan")}
+    assert "nan" not in comparison_text(undefined) and ": no estimate, not decided:" in comparison_text(undefined)
 
 
 def test_few_sequences_under_cover_and_ten_do_not():

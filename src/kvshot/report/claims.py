@@ -172,7 +172,9 @@ def comparison_text(c: dict) -> str:
     if "difference" not in c:
         return f"{c['contrast']} ({c['statistic']}): {c.get('note', 'not compared')}"
     if c.get("insufficient"):   # no interval, or one resting on insufficient numbers: not decided
-        return f"{c['contrast']} ({c['statistic']}): {c['difference']:+.3f}, not decided: {c['insufficient']}"
+        d = c["difference"]
+        shown = f"{d:+.3f}" if d is not None and math.isfinite(d) else "no estimate"
+        return f"{c['contrast']} ({c['statistic']}): {shown}, not decided: {c['insufficient']}"
     text = f"{c['contrast']} ({c['statistic']}): {c['difference']:+.3f} [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}]"
     if c["verdict"] == INCONCLUSIVE:
         text += f", detectable at 80% power: |difference| >= {c['mde']:.3f}"
