@@ -33,7 +33,7 @@ SLURM_SNAKEMAKE = [sys.executable, str(REPO / "tests/slurm_snakemake.py")]   # b
 
 PROFILE = ("--profile", "profiles/slurm-test")
 PAPER_PROFILE = REPO / "profiles/slurm/config.yaml"
-TRAIN_RULES = {"train_drafter", "scaling_train", "plateau_train", "blockwise_train", "drift_train",   # DDP: 8 GPUs
+TRAIN_RULES = {"train_drafter", "scaling_train", "plateau_train", "blockwise_train", "drift_train", "curve_train",   # DDP: 8 GPUs
                "train_drafter_group", "scaling_train_group", "plateau_train_group", "blockwise_train_group",
                "drift_train_group"}
 
@@ -75,7 +75,7 @@ def parse_dry_run(out: str) -> list[dict]:
 # One dry run per group (a dry run of the paper DAG takes ~10 s); regenerate_data exists only
 # with data.regenerate.enabled, an overlay of its own.
 PAPER_TARGETS = ("all", "figures/scaling.pdf", "figures/blockwise.pdf", "results/export/eagle3",
-                 "results/plateau/claims.md", "results/published/table.md", "figures/drift.pdf")
+                 "results/plateau/claims.md", "results/published/table.md", "figures/drift.pdf", "results/curve/curve.md")
 # the rules only an option runs: data.regenerate (regenerate_data), eval.shared_target_pass (eval_stepwise_shared)
 # drafters.group_training off: drift_train (config/paper.yaml trains every drift variant in one group)
 REGENERATE_TARGETS = ("regenerate_data", "results/eval/kv-d1/stepwise.json", "results/drift/drafters/eagle3.1/seed0")
@@ -164,9 +164,9 @@ def launched_processes(shell: str) -> int:
 
 
 def online_capture(job: dict) -> bool:
-    """A capture_features job of features.mode online (its --config): it tokenizes and indexes
+    """A capture_features (or curve_capture) job of features.mode online (its --config): it tokenizes and indexes
     only (the trainer runs the target), so it books no GPU, though it runs in the device env."""
-    if job["rule"] != "capture_features":
+    if job["rule"] not in ("capture_features", "curve_capture"):
         return False
     cfg = next(json.loads(w) for w in shlex.split(job["shell"].split(" > ")[0]) if w.startswith("{"))
     return cfg["features"]["mode"] == "online"

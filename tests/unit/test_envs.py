@@ -22,7 +22,7 @@ DEVICE_RULES = {"target", "capture_features", "target_continuations", "train_dra
                 "blockwise_stepwise", "blockwise_e2e", "plateau_train", "plateau_stepwise", "plateau_e2e",
                 "plateau_e2e_timing", "published_stepwise", "published_e2e", "published_benchmarks", "eval_benchmarks", "drift_train",
                 "drift_stepwise", "drift_e2e", "train_drafter_group", "scaling_train_group", "plateau_train_group",
-                "blockwise_train_group", "drift_train_group"}   # *_group: drafters.group_training
+                "blockwise_train_group", "drift_train_group", "curve_capture", "curve_train"}   # *_group: drafters.group_training
 # a grouped drafter's folder, hard links into its group's (drafters.group_training): a `run:` rule on the
 # submitting host (localrules), no SLURM job
 LOCAL_RULES = {"drafter_from_group", "scaling_drafter_from_group", "plateau_drafter_from_group",
@@ -31,9 +31,10 @@ OPTIONAL_RULES = {"regenerate_data", "export_eagle3", "eval_stepwise_shared", "b
                   "blockwise_report", "plateau_train", "plateau_stepwise", "plateau_e2e", "plateau_e2e_timing",
                   "plateau_report", "import_published", "published_stepwise", "published_e2e",
                   "published_benchmarks", "published_table", "drift_train", "drift_stepwise", "drift_e2e", "drift_report",
-                  "plateau_train_group", "blockwise_train_group", "drift_train_group"}   # not behind `all`: asked for by config or by target
+                  "plateau_train_group", "blockwise_train_group", "drift_train_group", "curve_capture", "curve_train",
+                  "curve_report"}   # not behind `all`: asked for by config or by target
 CPU_RULES = {"prepare_data", "train_tokenizer", "report", "scaling_report", "export_eagle3", "blockwise_report",
-             "plateau_report", "import_published", "published_table", "drift_report"}
+             "plateau_report", "import_published", "published_table", "drift_report", "curve_report"}
 
 RULE_ENVS = """
 import json, sys
