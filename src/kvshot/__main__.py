@@ -155,11 +155,12 @@ def _cmd_curve_report(args, cfg) -> dict:
     c = cfg.curve
     if c is None:
         raise ConfigError("config: curve: missing (variants, tokens, points): the curve report needs it")
-    names = {v.name for v in cfg.drafters.variants}
-    for i, name in enumerate(c.variants):
-        if name not in names:
-            raise ConfigError(f"config: curve.variants.{i}: {name!r} is not in drafters.variants")
-    seeds = list(c.seeds or cfg.drafters.seeds or (cfg.seed,))[: None if c.seeds else 1]
+    from kvshot.train.curve import curve_seeds, unknown_variant
+
+    problem = unknown_variant(c.variants, {v.name for v in cfg.drafters.variants})
+    if problem:
+        raise ConfigError(f"config: {problem}")
+    seeds = curve_seeds(c.seeds, cfg.drafters.seeds, cfg.seed)
     return run_curve_report(args.results, list(c.variants), seeds, c.flat_gain, c.target_acc, args.figure, args.table)
 
 

@@ -9,6 +9,7 @@ SRC = str(Path(workflow.basedir) / "src")
 sys.path.insert(0, SRC)
 
 from kvshot.checks import all_variants  # noqa: E402
+from kvshot.train.curve import curve_seeds, unknown_variant  # noqa: E402
 from kvshot.config import ConfigError, fill_defaults, stage_config, validate_config  # noqa: E402
 
 SPLITS = ["train", "eval", "val"]   # val: the drafters' held-out curve and plateau stop (disjoint from eval)
@@ -223,6 +224,15 @@ def scaling_overlay(wildcards):
     return f" --config {shlex.quote(json.dumps(overlay, sort_keys=True))}"
 
 
+def refuse_own_train(wildcards, keys, target):
+    """A target that sets drafters.train.<key> for its jobs refuses a variant's own value of it."""
+    for own in job_variants(wildcards):
+        for key in keys:
+            if key in own.get("train", {}):
+                raise WorkflowError(f"config: drafters.variants.{own['name']}.train.{key}: the {target} target sets "
+                                    f"drafters.train.{key}; a variant's own would escape it")
+
+
 def plateau_overlay(wildcards):
     """The change against train_drafter, as `--config` words: more steps at most, a validation
     point every plateau.eval_every steps, and plateau.rule as drafters.train.plateau."""
@@ -231,11 +241,7 @@ def plateau_overlay(wildcards):
     plateau = config.get("plateau") or {}
     if not plateau:
         raise WorkflowError("config: plateau: missing (max_steps, eval_every, rule): the plateau target needs it")
-    for own in job_variants(wildcards):
-        for key in ("max_steps", "eval_every", "plateau"):
-            if key in own.get("train", {}):
-                raise WorkflowError(f"config: drafters.variants.{own['name']}.train.{key}: the plateau target sets "
-                                    f"drafters.train.{key}; a variant's own would escape it")
+    refuse_own_train(wildcards, ("max_steps", "eval_every", "plateau"), "plateau")
     train = {"max_steps": plateau["max_steps"], "eval_every": plateau["eval_every"], "plateau": plateau["rule"]}
     return f" --config {shlex.quote(json.dumps({'drafters': {'train': train}}, sort_keys=True))}"
 
@@ -243,15 +249,15 @@ def plateau_overlay(wildcards):
 # the learning curve (curve.smk, config `curve`; not part of `all`)
 CURVE = config.get("curve") or {}
 CURVE_VARIANTS = list(CURVE.get("variants") or [])
-CURVE_SEEDS = [int(s) for s in CURVE.get("seeds") or SEEDS[:1]]
+CURVE_SEEDS = curve_seeds(CURVE.get("seeds"), config["drafters"].get("seeds"), config["seed"])
 
 
 def curve_section():
     if not CURVE:
         raise WorkflowError("config: curve: missing (variants, tokens, points): the curve target needs it")
-    for i, name in enumerate(CURVE_VARIANTS):   # checked here: a config that drops a variant needs no curve
-        if name not in VARIANTS:
-            raise WorkflowError(f"config: curve.variants.{i}: {name!r} is not in drafters.variants")
+    problem = unknown_variant(CURVE_VARIANTS, VARIANTS)
+    if problem:
+        raise WorkflowError(f"config: {problem}")
     return CURVE
 
 
@@ -270,11 +276,8 @@ def curve_overlay(wildcards):
     from kvshot.train.curve import CURVE_SETS, curve_train
 
     curve = curve_section()
+    refuse_own_train(wildcards, CURVE_SETS, "curve")
     (own,) = job_variants(wildcards)
-    for key in CURVE_SETS:
-        if key in own.get("train", {}):
-            raise WorkflowError(f"config: drafters.variants.{own['name']}.train.{key}: the curve target sets "
-                                f"drafters.train.{key}; a variant's own would escape it")
     train = curve_train(curve, {**config["drafters"]["train"], **own.get("train", {})})
     return f" --config {shlex.quote(json.dumps({'drafters': {'train': train}}, sort_keys=True))}"
 

@@ -9,6 +9,20 @@ import math
 CURVE_SETS = ("max_steps", "eval_every", "eval_steps", "plateau", "max_minutes", "train_samples")
 
 
+def unknown_variant(curve_variants, names) -> str | None:
+    """`curve.variants.<i>: ...` for the first curve variant not in drafters.variants; None when all are.
+    Checked where the curve is asked for (target and report), so a config that drops one needs no curve."""
+    for i, name in enumerate(curve_variants):
+        if name not in names:
+            return f"curve.variants.{i}: {name!r} is not in drafters.variants"
+    return None
+
+
+def curve_seeds(seeds, drafter_seeds, seed: int) -> list[int]:
+    """curve.seeds, else the first of drafters.seeds (else the global seed)."""
+    return [int(s) for s in seeds] if seeds else [int((list(drafter_seeds or []) or [seed])[0])]
+
+
 def curve_steps(tokens: int, batch_size: int, max_len: int) -> int:
     """Optimizer steps that train `tokens` batch tokens (batch_size x max_len a step, padding included)."""
     return max(1, math.ceil(tokens / (batch_size * max_len)))
