@@ -2,7 +2,7 @@
 and a 4-layer Qwen3 target, built by the same stage functions the pipeline runs.
 
 Two tiers: tests/unit/ run in-process (seconds each); tests/pipeline/ start Snakemake, SLURM or
-a multi-process launch and carry the `pipeline` marker, so `pytest tests/unit` (or
+a multi-process launch, or run a real pretrained target (SmolLM2-135M), and carry the `pipeline` marker, so `pytest tests/unit` (or
 `pytest -m "not pipeline"`) is the inner loop."""
 from __future__ import annotations
 

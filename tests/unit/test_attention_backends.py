@@ -261,7 +261,9 @@ def test_gpu_benchmark_dry_run(tmp_path):
     line each and no errors; the config line shows `auto`'s CUDA choice (flex to train, SDPA
     to decode) and the CPU fp32 one (the fused kernel). compiled_step runs for the hidden
     paradigm only: the same step through CUDA's branches for every paradigm and block kind is
-    test_cuda_branches.py's (issue 48: the four other compiles cost ~25 s here)."""
+    test_cuda_branches.py's (issue 48: the four other compiles cost ~25 s here). The smoke DAG
+    with device cuda (`--skip-dag` here, ~11 s of `snakemake -n`) is dry-run by
+    tests/pipeline/test_gpu_dag.py through the same function."""
     import json
     import subprocess
     import sys
@@ -269,7 +271,7 @@ def test_gpu_benchmark_dry_run(tmp_path):
     from ..conftest import REPO
 
     out = tmp_path / "gpu.jsonl"
-    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--dry", "--compiled", "hidden", "--out", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--dry", "--compiled", "hidden", "--skip-dag", "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in out.read_text().splitlines()]
@@ -288,7 +290,7 @@ def test_gpu_benchmark_dry_run(tmp_path):
     assert all(x["tokens_per_s"] > 0 and 0 < x["mfu"] < 1 for x in steps.values())
     assert all(x["backward"] == (b == "sdpa") for (_, b), x in steps.items())   # no flex backward on CPU
     figures = {x["figure"] for x in lines}
-    assert {"online_features", "online_features_overhead", "decode_round", "smoke_dag"} <= figures
+    assert {"online_features", "online_features_overhead", "decode_round"} <= figures and "smoke_dag" not in figures
     # --dry runs the per-paradigm rows at --shape small: the rows of benchmarks/paper_shapes.py
     costs = {x["row"]: x for x in lines if x["figure"] == "rule_cost"}
     paradigms = ("hidden", "kv", "hybrid", "standalone", "block")

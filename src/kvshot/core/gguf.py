@@ -14,6 +14,7 @@ plain HF folder; no later stage reads the GGUF file. A missing package or file, 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 from pathlib import Path
@@ -97,14 +98,43 @@ def load_gguf_model(gcfg: GGUFSpec):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from transformers.initialization import no_init_weights
+
     path = gguf_path(gcfg)
     _require_reader()
-    loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with one_header_parse(path):
+        loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     config = loaded.config
     for attr in ("quantization_config",):   # the GGUF marker: the saved folder holds plain fp32 weights
         if hasattr(config, attr):
             delattr(config, attr)
-    plain = type(loaded)(config)   # fresh buffers (RoPE's inv_freq) as a plain load builds them
+    with no_init_weights():   # every parameter is loaded next: a random init of 135M would be thrown away
+        plain = type(loaded)(config)   # fresh buffers (RoPE's inv_freq) as a plain load builds them
     plain.load_state_dict(loaded.state_dict(), strict=True)
     plain.tie_weights()
     return plain.eval()
+
+
+@contextlib.contextmanager
+def one_header_parse(path: Path):
+    """transformers' model load reads a GGUF file's header twice, for the config and for the
+    weights; for SmolLM2 (a 49k-token vocabulary in the header) each `gguf.GGUFReader` costs
+    ~2.4 s. Within this block the readers of `path` are one reader
+    (a read-only memory map); other files get their own."""
+    import gguf
+
+    real = gguf.GGUFReader
+    shared = real(str(path))
+    opened = [0]
+
+    def reader(p, *args, **kwargs):
+        if Path(p).resolve() == path.resolve() and not args and not kwargs:
+            opened[0] += 1
+            return shared
+        return real(p, *args, **kwargs)
+
+    gguf.GGUFReader = reader
+    try:
+        yield opened
+    finally:
+        gguf.GGUFReader = real
