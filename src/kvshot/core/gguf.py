@@ -97,7 +97,6 @@ def load_gguf_model(gcfg: GGUFSpec):
     same class and config save as any other HF folder."""
     import torch
     from transformers import AutoModelForCausalLM
-
     from transformers.initialization import no_init_weights
 
     path = gguf_path(gcfg)
@@ -119,8 +118,8 @@ def load_gguf_model(gcfg: GGUFSpec):
 def one_header_parse(path: Path):
     """transformers' model load reads a GGUF file's header twice, for the config and for the
     weights; for SmolLM2 (a 49k-token vocabulary in the header) each `gguf.GGUFReader` costs
-    ~2.4 s. Within this block the readers of `path` are one reader
-    (a read-only memory map); other files get their own."""
+    ~2.4 s. Within this block the readers of `path` are one reader (a read-only memory map);
+    other files get their own. Yields how many times the shared one was handed out."""
     import gguf
 
     real = gguf.GGUFReader
