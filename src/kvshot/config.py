@@ -215,13 +215,21 @@ def fill_defaults(cfg: dict, schema: dict | None = None) -> dict:
     return cfg
 
 
+BENCHMARKS_AXIS = "benchmarks"   # a pseudo-section: the stages that read eval.e2e.benchmarks name it
+
+
 def stage_config(cfg: dict, *sections: str) -> dict:
     """The part of the config one stage depends on (what a rule passes as params). Without
     drafters.group_training: it shapes the DAG (which job trains which drafters), changes no
-    drafter, and names variants of sections a stage may not get."""
+    drafter, and names variants of sections a stage may not get. Without eval.e2e.benchmarks
+    unless `sections` names BENCHMARKS_AXIS: turning the axis on (its own target, e.g.
+    config/smollm2-benchmarks.yaml) reruns no other evaluation."""
     out = {k: cfg[k] for k in (*GLOBALS, *sections) if k in cfg}
     if "group_training" in out.get("drafters", {}):
         out["drafters"] = {k: v for k, v in out["drafters"].items() if k != "group_training"}
+    e2e = out.get("eval", {}).get("e2e", {})
+    if BENCHMARKS_AXIS not in sections and "benchmarks" in e2e:
+        out["eval"] = {**out["eval"], "e2e": {k: v for k, v in e2e.items() if k != "benchmarks"}}
     return out
 
 

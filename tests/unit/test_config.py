@@ -10,7 +10,7 @@ import pytest
 import yaml
 from pathlib import Path
 
-from kvshot.config import ConfigError, merge, read_config, stage_config, validate_config
+from kvshot.config import BENCHMARKS_AXIS, ConfigError, merge, read_config, stage_config, validate_config
 
 from ..conftest import REPO
 
@@ -105,6 +105,21 @@ def test_merge_is_recursive_and_stage_config_is_partial():
     part = stage_config(cfg, "data")
     assert set(part) == {"seed", "device", "dtype", "threads", "data"}
     validate_config(part, "x", sections=("data",))  # a stage validates only what it reads
+
+
+def test_the_benchmarks_axis_is_in_no_stage_config_but_its_own():
+    """config/smollm2-benchmarks.yaml turns the axis on after a study: only eval_benchmarks
+    (which names the pseudo-section) sees it, so every other stage's params stay as they were."""
+    off = read_config([DEFAULT, str(REPO / "config/smollm2.yaml")])
+    on = read_config([DEFAULT, str(REPO / "config/smollm2.yaml"), str(REPO / "config/smollm2-benchmarks.yaml")])
+    assert off["eval"]["e2e"]["benchmarks"] is None and on["eval"]["e2e"]["benchmarks"]["sets"]
+    for sections in [("eval",), ("target", "drafters", "eval"), ("drafters",), ("data", "features", "eval")]:
+        assert stage_config(on, *sections) == stage_config(off, *sections)
+        assert "benchmarks" not in stage_config(on, *sections).get("eval", {}).get("e2e", {})
+    axis = stage_config(on, "target", "drafters", "eval", BENCHMARKS_AXIS)
+    assert axis["eval"]["e2e"]["benchmarks"] == on["eval"]["e2e"]["benchmarks"]
+    assert axis["eval"]["e2e"]["prompts"] == on["eval"]["e2e"]["prompts"] == 10
+    validate_config(axis, "x", sections=("target", "drafters", "eval"))
 
 
 def test_cli_error_is_one_line_and_exit_2(tmp_path):

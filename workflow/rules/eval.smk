@@ -146,7 +146,7 @@ rule eval_benchmarks:
     wildcard_constraints:
         variant="|".join(VARIANTS),
     params:
-        cfg=variant_params("target", "drafters", "eval"),
+        cfg=variant_params("target", "drafters", "eval", "benchmarks"),   # (config.BENCHMARKS_AXIS)
     log:
         log_path("eval_benchmarks", "_{variant}"),
     benchmark:
