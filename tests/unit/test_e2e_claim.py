@@ -4,13 +4,14 @@ e2e-timing stage that times EAGLE-3 and the hybrid alternately in one process.""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 
 from kvshot.core.io import write_json
 from kvshot.report.claims import INCONCLUSIVE, MISSING, NOT_REPRODUCED, REPRODUCED, evaluate_claims
-from kvshot.report.e2e_claim import E2E_MARGIN, equivalence
+from kvshot.report.e2e_claim import E2E_MARGIN, E2E_MIN_TAU, equivalence
 from kvshot.report.results import load_variants
 from kvshot.stats.prompt_bootstrap import Interval, crossed_bootstrap, paired_ratio_change, ratio
 
@@ -85,6 +86,18 @@ def test_a_marginal_paired_gain_is_reproduced_whatever_the_drafting_overhead(tmp
 def test_a_clear_tau_gain_is_not_marginal(tmp_path):
     got = e2e_verdict(write_results(tmp_path, tau=(3.0, 3.6)))
     assert got["verdict"] == NOT_REPRODUCED and got["numbers"]["tau change"].startswith("+20.0%")
+
+
+def test_a_tie_of_weakly_accepted_drafters_is_not_judged(tmp_path):
+    """Issue 51: SmolLM2's drafters at tau 1.2 tied within +-5%, which the claim read as reproduced."""
+    assert E2E_MIN_TAU == 2.0
+    for tau in ((1.19, 1.20), (1.9, 3.0), (3.0, 1.9)):
+        got = e2e_verdict(write_results(tmp_path, tau=tau))
+        assert got["verdict"] == INCONCLUSIVE, got
+        weak = re.search(r"tau (\w+) ([\d.]+) < 2, where a 5% margin on tau is a (\d+)% margin", got["note"])
+        assert weak and weak[1] == ("eagle3" if tau[0] < tau[1] else "hybrid"), got["note"]
+        assert int(weak[3]) == round(100 * 0.05 * float(weak[2]) / (float(weak[2]) - 1))
+    assert e2e_verdict(write_results(tmp_path, tau=(2.05, 2.08)))["verdict"] == REPRODUCED
 
 
 def test_too_few_rounds_per_seed_is_inconclusive(tmp_path):
