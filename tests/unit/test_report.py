@@ -98,6 +98,10 @@ def test_readme_block_is_regenerated_from_results(tmp_path):
     assert "stale" not in text and text.startswith("# x\n\nbefore\n") and text.endswith("after\n")
     assert "| P1 long-range advantage |" in text and "**reproduced**" in text
     assert "| n_6 |" in text and "| MAT 95% CI |" in text and "detectable" not in text.split("| P1")[0]
+    header = next(l for l in text.splitlines() if l.startswith("| variant |")).split(" | ")
+    eagle3 = dict(zip(header, next(l for l in text.splitlines() if l.startswith("| eagle3 |")).split(" | ")))
+    chain = json.loads((tmp_path / "eval/eagle3/e2e.json").read_text())["modes"]["chain"]   # E2E beside step-wise
+    assert eagle3["chain tau"] == f"{chain['tau']:.3f}" and eagle3["chain speedup"] == f"{chain['speedup']:.2f}x"
     full = (tmp_path / "docs/results.md").read_text()          # every table and the claims in full
     assert "tau - MAT" in full and "## Claims" in full and "| alpha_3 |" in full
     assert (tmp_path / "docs/decay.png").read_bytes()[:4] == b"\x89PNG"

@@ -74,9 +74,15 @@ def _stepwise_rows(variants: list[Variant]) -> list[dict]:
     return rows
 
 
+def _e2e(v: Variant, field: str) -> str:
+    chain = (v.e2e or {}).get("modes", {}).get("chain")
+    return "-" if not chain else f"{chain[field]:.3f}" if field == "tau" else f"{chain[field]:.2f}x"
+
+
 def compact_rows(variants: list[Variant]) -> list[dict]:
     """The README's table: per variant on the judged protocol, alpha_0 and the last step's alpha
-    with the anchors behind them, MAT with its interval, retention."""
+    with the anchors behind them, MAT with its interval, retention; chain decoding's tau and
+    speedup over plain decoding (E2E, "-" without an e2e.json)."""
     protocol = judged_protocol(variants)["protocol"]
     rows = []
     for v in with_protocol(variants, protocol):
@@ -86,7 +92,8 @@ def compact_rows(variants: list[Variant]) -> list[dict]:
                      "alpha_0": _rate(sw["alpha_observed"][0], sw["alpha_sufficient"][0]), "n_0": n[0],
                      f"alpha_{last}": _rate(sw["alpha_observed"][last], sw["alpha_sufficient"][last]), f"n_{last}": n[last],
                      "MAT": _rate(sw["mat"], sw["mat_sufficient"]), "MAT 95% CI": _ci(sw["mat_ci"]),
-                     "retention": _rate(sw["retention_observed"], sw["retention_sufficient"]), "protocol": protocol})
+                     "retention": _rate(sw["retention_observed"], sw["retention_sufficient"]),
+                     "chain tau": _e2e(v, "tau"), "chain speedup": _e2e(v, "speedup"), "protocol": protocol})
     return rows
 
 
