@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from kvshot.__main__ import main
 from kvshot.capture.features import open_features
 from kvshot.capture.target import load_target
-from kvshot.config import stage_config
+from kvshot.config import BENCHMARKS_AXIS, stage_config
 from kvshot.drafters import build_drafter, load_drafter
 from kvshot.drafters.unroll import unroll
 from kvshot.interop.export import FormatError
@@ -324,11 +324,14 @@ def test_publisher_decoding_and_the_table(tmp_path):
     repo = __import__("pathlib").Path(__file__).resolve().parents[2]
     cfg = read_config([str(repo / "config/config.yaml"), str(repo / "config/paper.yaml")])
     heads = {h["name"]: h for h in cfg["published"]["heads"]}
-    redhat = head_stage_config(stage_config(cfg, "target", "drafters", "eval"), heads["redhat-eagle3"])
+    bench_stage = stage_config(cfg, "target", "drafters", "eval", BENCHMARKS_AXIS)   # published_benchmarks' params
+    redhat = head_stage_config(bench_stage, heads["redhat-eagle3"])
     assert redhat["drafters"]["ttt_steps"] == 7 and redhat["drafters"]["variants"] == [
         {"name": "redhat-eagle3", "paradigm": "hidden", "layers": 1, "format": "speculators",
          "weights": "hub:RedHatAI/Qwen3-8B-speculator.eagle3@08610ffa01dd9f16731fe8f627b85905b6aa51c4"}]
-    angel = head_stage_config(stage_config(cfg, "target", "drafters", "eval"), heads["angelslim-eagle3"])
+    angel = head_stage_config(bench_stage, heads["angelslim-eagle3"])
+    assert "benchmarks" not in head_stage_config(stage_config(cfg, "target", "drafters", "eval"),
+                                                 heads["angelslim-eagle3"])["eval"]["e2e"]   # published_e2e's
     assert angel["eval"]["e2e"]["tree"] == {"depth": 6, "topk": 10, "total_tokens": 60}
     # the benchmarks axis at the publisher's shape and temperatures only
     bench = angel["eval"]["e2e"]["benchmarks"]

@@ -75,7 +75,7 @@ use rule eval_benchmarks as published_benchmarks with:
     wildcard_constraints:
         variant=PUBLISHED_NAMES,
     params:
-        cfg=published_params("target", "drafters", "eval"),
+        cfg=published_params("target", "drafters", "eval", "benchmarks"),   # (config.BENCHMARKS_AXIS)
     log:
         log_path("published_benchmarks", "_{variant}"),
     benchmark:
