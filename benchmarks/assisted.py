@@ -23,7 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from kvshot.core import numerics
+
+numerics.apply_for_script()   # before torch: the pipeline's numerics (KVSHOT_NUMERICS=native: this machine's own)
+import torch  # noqa: E402
 
 from kvshot.capture.target import load_target
 from kvshot.config import runtime, typed_config

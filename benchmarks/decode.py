@@ -22,7 +22,10 @@ import json
 import sys
 from pathlib import Path
 
-import torch
+from kvshot.core import numerics
+
+numerics.apply_for_script()   # before torch: the pipeline's numerics (KVSHOT_NUMERICS=native: this machine's own)
+import torch  # noqa: E402
 
 from kvshot.capture.target import load_target
 from kvshot.config import runtime, typed_config

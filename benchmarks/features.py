@@ -17,7 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from kvshot.core import numerics
+
+numerics.apply_for_script()   # before torch: the pipeline's numerics (KVSHOT_NUMERICS=native: this machine's own)
+import torch  # noqa: E402
 
 from kvshot.capture.features import capture_split, length_batches, pad_batch, tokenize_split
 from kvshot.capture.target import load_target

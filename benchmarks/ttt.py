@@ -30,7 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from kvshot.core import numerics
+
+numerics.apply_for_script()   # before torch: the pipeline's numerics (KVSHOT_NUMERICS=native: this machine's own)
+import torch  # noqa: E402
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 

@@ -13,6 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvshot.core import numerics
+
+# The pipeline's default numerics (AVX2 kernels, docs/reproducibility.md), set before any test
+# imports torch, so in-process stages run what the jobs run; subprocesses inherit them.
+numerics.apply("portable")
+
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE_TIER = Path(__file__).resolve().parent / "pipeline"
 

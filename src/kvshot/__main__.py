@@ -14,6 +14,8 @@ from .config import ConfigError, fill_defaults, runtime, typed_config
 from .settings import Config
 from kvshot.core.gguf import GGUFError
 from kvshot.core.io import DataError
+from kvshot.core.numerics import NumericsError
+from kvshot.core import numerics
 from kvshot.core.progress import quiet_library_bars
 
 
@@ -138,8 +140,27 @@ def _cmd_report(args, cfg) -> dict:
     from .report import run_report
 
     names = [v.name for v in cfg.drafters.variants]
-    return run_report(args.results, names, args.tables, args.figures, args.claims_md, args.claims_json,
-                      with_benchmarks=args.benchmarks)
+    verdicts = run_report(args.results, names, args.tables, args.figures, args.claims_md, args.claims_json,
+                          with_benchmarks=args.benchmarks)
+    if args.fingerprints:   # after the claims: they are the last stage hashed
+        from .report.fingerprint import write_fingerprints
+
+        run = write_fingerprints(args.results, args.fingerprints, numerics.describe(cfg.numerics, cfg.threads))
+        verdicts = {**verdicts, "fingerprint": run}
+    return verdicts
+
+
+def _cmd_compare_runs(args, cfg) -> dict:
+    from .report.fingerprint import compare_runs, comparison_text
+
+    report = compare_runs(args.first, args.second)
+    text = comparison_text(report, args.first, args.second)
+    print(text, end="")
+    if args.out:
+        from kvshot.core.io import write_text
+
+        write_text(args.out, text)
+    return {"first_difference": report["first"]}
 
 
 def _cmd_scaling_report(args, cfg) -> dict:
@@ -336,7 +357,14 @@ STAGES = {
         _cmd_report, ("drafters",), "tables, figures and the claims verdict from the result files",
         ("results", "tables", "figures", "claims-md", "claims-json"),
         (("--benchmarks", dict(action="store_true", help="also results/tables/benchmarks.* and figures/benchmarks.pdf "
-                               "from results/eval/<variant>/benchmarks.json (eval.e2e.benchmarks)")),)),
+                               "from results/eval/<variant>/benchmarks.json (eval.e2e.benchmarks)")),
+         ("--fingerprints", dict(default=None, help="also write each stage's fingerprint, the run's and the machine's "
+                                 "description here (results/fingerprints.json)")))),
+    "compare-runs": Stage(
+        _cmd_compare_runs, (), "two runs' results folders stage by stage: the first output that differs and the "
+        "first tensor, field or line in it", (),
+        (("first", dict(help="a results folder")), ("second", dict(help="another results folder")),
+         ("--out", dict(default=None, help="also write the comparison here"))), config=False),
     "readme": Stage(
         _cmd_readme, ("drafters",), "regenerate the README's results block", (),
         (("--results", dict(default="results", help="the results folder of a finished run")),
@@ -413,11 +441,15 @@ def main(argv: list[str] | None = None) -> int:
     quiet_library_bars()   # under Snakemake stderr is a log file: no tqdm redraws from transformers/hub
     stage = STAGES[args.stage]
     try:
-        cfg = typed_config(args.config, stage.sections) if args.config else None   # export/import: config optional
+        specs = getattr(args, "config", None)   # export/import: config optional; compare-runs reads none
+        cfg = typed_config(specs, stage.sections) if specs else None
         if cfg is not None and args.threads is not None:
             cfg = replace(cfg, threads=args.threads)
+        # before any stage imports torch: the libraries read these once (a config-less export: portable)
+        mode = cfg.numerics if cfg is not None else "portable"
+        print(numerics.status_line(mode, numerics.apply(mode)), file=sys.stderr, flush=True)
         summary = stage.run(args, cfg)
-    except (ConfigError, DataError, FileNotFoundError, GGUFError) as exc:
+    except (ConfigError, DataError, FileNotFoundError, GGUFError, NumericsError) as exc:
         print(f"kvshot {args.stage}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:   # full disk, read-only or unreadable output: the traceback stays in the log

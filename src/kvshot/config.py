@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -18,13 +19,13 @@ from typing import Any
 import jsonschema
 import yaml
 
-from kvshot.core import taps
+from kvshot.core import numerics, taps
 
 from .checks import check_consistency
 from .settings import Config, FeaturesSettings
 
 SECTIONS = ("data", "tokenizer", "target", "features", "drafters", "eval", "scaling", "curve")
-GLOBALS = ("seed", "device", "dtype", "threads")
+GLOBALS = ("seed", "device", "dtype", "threads", "numerics")
 
 
 class ConfigError(ValueError):
@@ -302,6 +303,9 @@ def runtime(cfg: Config) -> Runtime:
     torch.set_num_threads(int(cfg.threads))
     if device == "cpu":
         retain_freed_memory()
+    mode = cfg.numerics or "portable"
+    numerics.check(mode)
+    print(numerics.kernels_line(int(cfg.threads)), file=sys.stderr, flush=True)
     return Runtime(device=device, dtype=dtype, threads=int(cfg.threads), seed=int(cfg.seed))
 
 

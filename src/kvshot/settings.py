@@ -352,6 +352,7 @@ class Config:
     device: str
     dtype: str
     threads: int
+    numerics: str                   # portable | native (kvshot.core.numerics)
     data: DataSettings | None
     tokenizer: TokenizerSettings | None
     target: TargetSettings | None

@@ -10,6 +10,14 @@ import pytest
 from ..conftest import REPO
 from ..dag import dry_run_jobs, job_counts, snakemake, workdir
 
+
+def without_numerics() -> dict:
+    import os
+
+    from kvshot.core.numerics import PORTABLE_ENV
+
+    return {k: v for k, v in os.environ.items() if k not in PORTABLE_ENV}
+
 @pytest.mark.slow
 def test_smoke_dag_end_to_end(smoke_workdir):
     wd = smoke_workdir   # shared with the SLURM test's comparison and the export rule's test (conftest.py)
@@ -18,9 +26,21 @@ def test_smoke_dag_end_to_end(smoke_workdir):
     # the shared workdir may already hold drafters another test of its group asked for (the export
     # rule's eagle3, seed 0): Snakemake plans only the rest
     present = [p for p in (wd / "results/drafters").glob("*/seed*") if (p / "metrics.json").exists()]
+    # started without the portable numerics' variables (conftest sets them for the session's own
+    # processes): every job must get them from the workflow's shell prefix
     proc = snakemake(wd, "all", "figures/blockwise.pdf", "figures/drift.pdf", "results/curve/curve.md", "--cores", "2",
-                     "--configfile", "config/smoke.yaml")
+                     "--configfile", "config/smoke.yaml", env=without_numerics())
     assert proc.returncode == 0, proc.stderr[-3000:]
+    logs = sorted((wd / "logs").glob("*.log"))
+    assert len(logs) > 40
+    for log in logs:
+        lines = [x for x in log.read_text().splitlines() if x.startswith("numerics: ")]
+        assert lines and all(x.endswith("; from the job's environment)") and "MKL_CBWR=AVX2,STRICT" in x
+                             for x in lines), (log.name, lines)
+    prints = json.loads((wd / "results/fingerprints.json").read_text())
+    assert re.fullmatch(r"[0-9a-f]{16}", prints["run"]) and prints["machine"]["numerics"] == "portable"
+    assert prints["machine"]["kernels"] == "AVX2" and prints["stages"].keys() >= {"data", "tokenizer", "target",
+                                                                                    "features", "claims"}
     planned = job_counts(proc.stdout + proc.stderr)
     planned["train_drafter"] = planned.get("train_drafter", 0) + len(present)
     # the block-wise target reuses the default run's drafters and trains only its own (3 variants x 2

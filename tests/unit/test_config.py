@@ -103,7 +103,7 @@ def test_merge_is_recursive_and_stage_config_is_partial():
     assert merge({"a": {"b": 1, "c": 2}, "d": 1}, {"a": {"b": 5}}) == {"a": {"b": 5, "c": 2}, "d": 1}
     cfg = read_config([DEFAULT])
     part = stage_config(cfg, "data")
-    assert set(part) == {"seed", "device", "dtype", "threads", "data"}
+    assert set(part) == {"seed", "device", "dtype", "threads", "numerics", "data"}
     validate_config(part, "x", sections=("data",))  # a stage validates only what it reads
 
 

@@ -11,6 +11,7 @@ sys.path.insert(0, SRC)
 from kvshot.checks import all_variants  # noqa: E402
 from kvshot.train.curve import curve_seeds, unknown_variant  # noqa: E402
 from kvshot.config import ConfigError, fill_defaults, stage_config, validate_config  # noqa: E402
+from kvshot.core.numerics import shell_exports  # noqa: E402
 
 SPLITS = ["train", "eval", "val"]   # val: the drafters' held-out curve and plateau stop (disjoint from eval)
 VARIANTS = [v["name"] for v in config["drafters"]["variants"]]
@@ -50,8 +51,11 @@ fill_defaults(config)   # what an omitted optional field means: the schema's `de
 # a value the caller set wins. A profile cannot set a job's environment (the SLURM plugin
 # forbids --export in slurm_extra; `envvars` only forwards the submitting shell's values).
 # (the prefix is formatted like a shell command: its literal braces are doubled once more)
+# `numerics: portable` (kvshot.core.numerics): AVX2 kernels in ATen, MKL and oneDNN, exported here
+# so that every job and every process it starts (accelerate's ranks) reads them before torch.
 shell.prefix(f"set -euo pipefail; export PYTHONPATH={SRC}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
-             "export PYTORCH_CUDA_ALLOC_CONF=${{PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}}; ")
+             "export PYTORCH_CUDA_ALLOC_CONF=${{PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}}; "
+             + shell_exports(config["numerics"]))
 
 
 def stage_params(*sections):
@@ -160,6 +164,13 @@ def train_launcher():
     from kvshot.train.launch import launcher_command
 
     return launcher_command(config["drafters"]["train"]["num_processes"])
+
+
+def torch_threads(wildcards, threads):
+    """A job's torch threads: under portable numerics the config's `threads` whatever the
+    scheduler grants (a reduction's digits depend on the thread count: fewer cores run slower,
+    not differently); native: the cores granted."""
+    return config["threads"] if config["numerics"] == "portable" else threads
 
 
 def train_rank_threads():

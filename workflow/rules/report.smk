@@ -23,6 +23,7 @@ rule report:
         ),
         claims_md=report("results/claims.md", caption="../report/claims.rst", category="Claims"),
         claims_json="results/claims.json",
+        fingerprints="results/fingerprints.json",   # every stage's digest and the machine (docs/reproducibility.md)
     params:
         cfg=stage_params("drafters"),
     log:
@@ -38,4 +39,5 @@ rule report:
     shell:
         "python -m kvshot report --config {params.cfg:q} --threads {threads} --results results"
         " --tables {output.tables} --figures figures --claims-md {output.claims_md}"
-        " --claims-json {output.claims_json}" + (" --benchmarks" if BENCHMARKS else "") + " > {log} 2>&1"
+        " --claims-json {output.claims_json} --fingerprints {output.fingerprints}"
+        + (" --benchmarks" if BENCHMARKS else "") + " > {log} 2>&1"

@@ -29,6 +29,7 @@ rule target:
         metrics="results/target/metrics.json",
     params:
         cfg=stage_params("data", "target"),
+        threads=torch_threads,
     log:
         log_path("target"),
     benchmark:
@@ -41,5 +42,5 @@ rule target:
         mem_mb=8000,
         runtime=120,
     shell:
-        "python -m kvshot target --config {params.cfg:q} --threads {threads} --train {input.train} --eval {input.eval}"
+        "python -m kvshot target --config {params.cfg:q} --threads {params.threads} --train {input.train} --eval {input.eval}"
         " --tokenizer {input.tokenizer} --out {output.model} --metrics {output.metrics} > {log} 2>&1"
