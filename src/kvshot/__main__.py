@@ -145,7 +145,7 @@ def _cmd_report(args, cfg) -> dict:
     if args.fingerprints:   # after the claims: they are the last stage hashed
         from .report.fingerprint import write_fingerprints
 
-        run = write_fingerprints(args.results, args.fingerprints, numerics.describe(cfg.numerics, cfg.threads))
+        run = write_fingerprints(args.results, args.fingerprints, numerics.describe(cfg.numerics))
         verdicts = {**verdicts, "fingerprint": run}
     return verdicts
 
@@ -224,7 +224,8 @@ def _cmd_published_table(args, cfg) -> dict:
 def _cmd_readme(args, cfg) -> dict:
     from .report import update_readme
 
-    update_readme(args.results, [v.name for v in cfg.drafters.variants], args.readme, args.image, args.full, args.block)
+    update_readme(args.results, [v.name for v in cfg.drafters.variants], args.readme, args.image, args.full, args.block,
+                  args.rounding)
     return {"readme": args.readme, "image": args.image}
 
 
@@ -372,7 +373,9 @@ STAGES = {
          ("--image", dict(default="docs/decay.png", help="where to copy the decay figure as PNG")),
          ("--full", dict(default=None, help="the full tables and verdicts (default: results.md beside --image)")),
          ("--block", dict(default="results", help="the README block to replace, between <!-- BLOCK:start --> and "
-                          "<!-- BLOCK:end --> (smollm2: the real target's run)")))),
+                          "<!-- BLOCK:end --> (smollm2: the real target's run)")),
+         ("--rounding", dict(default=None, help="the results folder of the same run in the other numerics "
+                             "(--config numerics=native): a verdict that differs there is marked fragile")))),
     # EAGLE-3 checkpoints (kvshot.interop.export); --config optional: only features.aux_layers is read
     "export": Stage(
         _cmd_export, ("features",), "write a drafter as a checkpoint serving engines load", (),
@@ -447,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = replace(cfg, threads=args.threads)
         # before any stage imports torch: the libraries read these once (a config-less export: portable)
         mode = cfg.numerics if cfg is not None else "portable"
-        print(numerics.status_line(mode, numerics.apply(mode)), file=sys.stderr, flush=True)
+        print(numerics.status_line(mode, numerics.apply(mode)), flush=True)   # the log's first line
         summary = stage.run(args, cfg)
     except (ConfigError, DataError, FileNotFoundError, GGUFError, NumericsError) as exc:
         print(f"kvshot {args.stage}: error: {exc}", file=sys.stderr)

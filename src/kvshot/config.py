@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -303,9 +302,9 @@ def runtime(cfg: Config) -> Runtime:
     torch.set_num_threads(int(cfg.threads))
     if device == "cpu":
         retain_freed_memory()
-    mode = cfg.numerics or "portable"
-    numerics.check(mode)
-    print(numerics.kernels_line(int(cfg.threads)), file=sys.stderr, flush=True)
+    if device == "cpu":   # a GPU's digits are its own (kvshot.core.numerics): the host's kernels are not checked
+        numerics.check(cfg.numerics or "portable")
+    print(numerics.kernels_line(int(cfg.threads)), flush=True)   # stdout: stderr holds only a failure's one line
     return Runtime(device=device, dtype=dtype, threads=int(cfg.threads), seed=int(cfg.seed))
 
 

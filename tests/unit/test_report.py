@@ -109,6 +109,37 @@ def test_readme_block_is_regenerated_from_results(tmp_path):
     assert readme.read_text() == text
 
 
+def test_readme_block_prints_the_fingerprint_and_marks_verdicts_that_rounding_flips(tmp_path):
+    """The run fingerprint and the machine beside it; a claim whose verdict differs in the same run
+    under native numerics reads fragile, the others as before."""
+    import shutil
+
+    from kvshot.report import update_readme
+    from kvshot.report.fingerprint import write_fingerprints
+
+    run = tmp_path / "portable"
+    write_results(run)
+    verdicts = report(run)
+    machine = {"numerics": "portable", "kernels": "AVX2", "cpu": "AMD EPYC", "cpu_id": "AuthenticAMD family 25",
+               "cores": 2, "avx2": True, "avx512f": True, "versions": {"torch": "2.13.0+cpu"}}
+    digest = write_fingerprints(run, run / "fingerprints.json", machine)
+    native = tmp_path / "native"
+    shutil.copytree(run, native)
+    claims = json.loads((native / "claims.json").read_text())
+    flipped = claims[0]["claim"]
+    claims[0]["verdict"] = "inconclusive"
+    (native / "claims.json").write_text(json.dumps(claims))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- results:start -->\nstale\n<!-- results:end -->\n")
+    update_readme(str(run), NAMES, str(readme), str(tmp_path / "docs/decay.png"), rounding=str(native))
+    text = readme.read_text()
+    assert (f"Run fingerprint **`{digest}`**: numerics portable (AVX2 kernels) on AMD EPYC (AuthenticAMD family "
+            f"25; 2 cores, AVX-512), torch 2.13.0+cpu") in text
+    row = next(line for line in text.splitlines() if line.startswith(f"| {flipped} |"))
+    assert f"**{verdicts[flipped]}**" in row and "; **fragile**: inconclusive in native numerics |" in row
+    assert text.count("**fragile**") == 1
+
+
 def test_a_named_block_is_regenerated_and_the_default_block_left_alone(tmp_path):
     """--block smollm2: the real target's run fills its own block and full file; the default
     run's block and docs/results.md stay as they were."""

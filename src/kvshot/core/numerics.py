@@ -109,6 +109,23 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_id() -> str:
+    """vendor, family, model and stepping: "AMD EPYC" alone names several generations."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("vendor_id", "cpu family", "model", "stepping") and key not in fields:
+                fields[key] = value.strip()
+            if not line.strip() and fields:
+                break
+    except OSError:
+        return platform.machine()
+    labels = {"vendor_id": "", "cpu family": "family ", "model": "model ", "stepping": "stepping "}
+    return " ".join(f"{label}{fields[k]}" for k, label in labels.items() if k in fields)
+
+
 def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -119,17 +136,17 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def describe(mode: str, threads: int | None = None) -> dict:
-    """What a run's digits depend on: the mode, the machine, the libraries (after torch import)."""
+def describe(mode: str) -> dict:
+    """What a run's digits depend on: the mode, the machine, the libraries (imports torch). Each
+    job's thread count is the workflow's (the target: the config's `threads`; the others: 1)."""
     import importlib.metadata as md
 
     import torch
 
     flags = cpu_flags()
-    out = {"numerics": mode, "cpu": cpu_model(), "cores": os.cpu_count(),
+    out = {"numerics": mode, "cpu": cpu_model(), "cpu_id": cpu_id(), "cores": os.cpu_count(),
            "avx2": "avx2" in flags, "avx512f": "avx512f" in flags,
            "kernels": torch.backends.cpu.get_cpu_capability(),
-           "threads": threads if threads is not None else torch.get_num_threads(),
            "env": {k: os.environ.get(k) for k in PORTABLE_ENV}}
     out["versions"] = {name: _version(md, name) for name in ("torch", "transformers", "tokenizers", "safetensors")}
     out["versions"]["python"] = platform.python_version()

@@ -68,11 +68,13 @@ MAT_TAU_NOTE = ("Step-wise MAT (of the protocol the decoding prompts come from: 
 
 
 def update_readme(results: str, variants: list[str], readme: str, image: str, full: str | None = None,
-                  block_name: str = "results") -> None:
+                  block_name: str = "results", rounding: str | None = None) -> None:
     """Regenerate the README's results block (decay figure as PNG, a compact table on the judged
     protocol, one line per verdict) between its marker comments (`<!-- <block_name>:start -->`),
     and the full tables and verdicts in `full` (default docs/results.md beside the image). Another
-    block_name (smollm2: the real target's run) leaves the default run's blocks alone."""
+    block_name (smollm2: the real target's run) leaves the default run's blocks alone. The run's
+    fingerprint line comes from results/fingerprints.json when the report wrote one; `rounding`, the
+    results folder of the same run in other numerics, marks each verdict that differs there."""
     from .figures import decay
     from .tables import _markdown, compact_rows, e2e_rows, stepwise_rows, training_summary_rows
 
@@ -87,7 +89,8 @@ def update_readme(results: str, variants: list[str], readme: str, image: str, fu
                         f"On the protocol the claims are judged on (every table, interval and training curve: "
                         f"[{full_rel.as_posix()}]({full_rel.as_posix()})); n_k: distinct anchors that reached step k:", "",
                         _markdown(compact_rows(loaded)), "",
-                        verdict_table(claims), end])
+                        *fingerprint_lines(results),
+                        verdict_table(claims, rounding_verdicts(rounding)), end])
     text = _replace_block(Path(readme).read_text(), readme, start, end, block)
     if block_name == "results" and (Path(results) / "blockwise" / "claims.json").exists() and BLOCKWISE_START in text:
         text = _replace_block(text, readme, BLOCKWISE_START, BLOCKWISE_END, blockwise_readme_block(results))
@@ -112,8 +115,32 @@ def update_readme(results: str, variants: list[str], readme: str, image: str, fu
         claims_markdown(claims).replace("# Claims verdict", "## Claims"), ""]))
 
 
-def verdict_table(claims: list[dict]) -> str:
-    """One row per claim: its verdict and the comparison(s) that decided it, in one line."""
+def fingerprint_lines(results: str) -> list[str]:
+    """The run fingerprint beside the machine and numerics it came from (results/fingerprints.json)."""
+    path = Path(results) / "fingerprints.json"
+    if not path.is_file():
+        return []
+    prints = read_json(path)
+    m = prints.get("machine", {})
+    isa = "AVX-512" if m.get("avx512f") else "AVX2" if m.get("avx2") else "no AVX2"
+    target = prints.get("files", {}).get("target/model/model.safetensors", "")
+    return [f"Run fingerprint **`{prints['run']}`**: numerics {m.get('numerics')} ({m.get('kernels')} kernels) on "
+            f"{m.get('cpu')} ({m.get('cpu_id')}; {m.get('cores')} cores, {isa}), torch "
+            f"{m.get('versions', {}).get('torch')}; target weights sha256 `{target[:16]}`. Your run printed the "
+            f"same in `results/fingerprints.json`: it gave these digits; if not, `python -m kvshot compare-runs` "
+            f"names the first stage and tensor that differ ([docs/reproducibility.md](docs/reproducibility.md)).", ""]
+
+
+def rounding_verdicts(results: str | None) -> dict[str, str]:
+    """{claim: verdict} of the same run in other numerics (its claims.json), or none."""
+    if not results:
+        return {}
+    return {c["claim"]: c["verdict"] for c in read_json(Path(results) / "claims.json")}
+
+
+def verdict_table(claims: list[dict], rounding: dict[str, str] | None = None) -> str:
+    """One row per claim: its verdict and the comparison(s) that decided it, in one line. A claim
+    whose verdict differs in `rounding` (the same run in native numerics) is marked fragile."""
     from .claims import comparison_text
 
     rows = ["| claim | verdict | this run (paired difference, 95% interval) |", "|---|---|---|"]
@@ -125,7 +152,9 @@ def verdict_table(claims: list[dict]) -> str:
         else:
             evidence = "; ".join(f"{k}: {v}" for k, v in list(c["numbers"].items())[:3]) or c.get("note", "")
         seeds = f" ({c['seeds']} seeds)" if c.get("seeds") else ""
-        rows.append(f"| {c['claim']} | **{c['verdict']}**{seeds} | {evidence.replace('|', chr(92) + '|')} |")
+        other = (rounding or {}).get(c["claim"])
+        fragile = f"; **fragile**: {other} in native numerics" if other and other != c["verdict"] else ""
+        rows.append(f"| {c['claim']} | **{c['verdict']}**{seeds}{fragile} | {evidence.replace('|', chr(92) + '|')} |")
     return "\n".join(rows) + "\n\nTests, numbers and notes per claim: `results/claims.md`.\n"
 
 

@@ -17,8 +17,10 @@ import re
 import struct
 from pathlib import Path
 
-# a clock's value: seconds, per-second rates, speedups, and where a run stopped for time
-TIMING_KEY = re.compile(r"(seconds|_s$|_s_|per_s|speedup|elapsed|wall|minutes|stopped_by|^date$|^host$)")
+# a clock's value (seconds, ms, per-second rates, speedups, overheads, where a run stopped for
+# time) or a job's bookkeeping (the checkpoint a resumed job started from): not part of the digits
+TIMING_KEY = re.compile(r"(seconds|_s$|_s_|per_s|ms/|speedup|overhead|latency|timing|elapsed|wall|minutes|stopped_by"
+                        r"|resumed_from|^date$|^host$)")
 SKIP_NAMES = {"checksums.json", "progress.json"}   # a manifest repeats its folder; progress is bookkeeping
 SKIP_SUFFIXES = {".ckpt", ".log", ".tsv", ".pdf", ".png", ".lock"}
 
