@@ -7,8 +7,10 @@ after another on this machine, each compared with the portable run tensor by ten
 --results: a run's results folder (its data split and tokenizer are the inputs). Rows:
 native (this machine's own kernels), each ATen capability this CPU offers, MKL_CBWR alone, the
 three AVX2 variables together without and with STRICT (portable), and portable at 1 thread.
-Also the tokenizer trained with 1 and 2 Rayon threads and the data split under two hash seeds.
-Prints one table: seconds, the ratio to native, and where the weights part from portable's.
+Also the tokenizer trained with 1 and 2 Rayon threads, the data split under two hash seeds, and
+single ops (matmul, softmax, attention and its backward, sums, ...) on fixed inputs under each
+setting (`--ops-only`: that table alone, in seconds). Prints the tables: seconds, the ratio to
+native, where the weights part from portable's, and which ops round differently.
 """
 from __future__ import annotations
 
@@ -44,6 +46,43 @@ def settings(flags: set[str]) -> list[tuple[str, str, dict, int]]:
              ("MKL_CBWR=COMPATIBLE", "native", {"MKL_CBWR": "COMPATIBLE"}, 2),
              ("AVX2 three (reference's)", "native", dict(AVX2), 2)]
     return rows
+
+
+# the ops the target's training step runs, each on fixed inputs: which of them round differently
+OPS_PROBE = """
+import hashlib, json, torch
+import torch.nn.functional as F
+torch.manual_seed(0)
+a, b, x = torch.randn(257, 384), torch.randn(384, 1031), torch.randn(4, 8, 200, 32, requires_grad=True)
+def h(t): return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()[:12]
+logits = a @ b
+attn = F.scaled_dot_product_attention(x, x, x, is_causal=True)
+attn.sum().backward()
+print(json.dumps({"kernels": torch.backends.cpu.get_cpu_capability(), "matmul": h(logits),
+    "softmax": h(torch.softmax(x, -1)), "exp": h(torch.exp(x)), "silu": h(F.silu(x)),
+    "rms_norm": h(F.rms_norm(x, (32,))), "row sums": h(x.sum(-1)), "whole-tensor sum": h(x.sum()),
+    "cross_entropy": h(F.cross_entropy(logits, torch.arange(257) % 1031)), "sdpa": h(attn),
+    "sdpa backward": h(x.grad)}))
+"""
+
+
+def ops_rows(flags: set[str]) -> list[str]:
+    """Each setting's digests of OPS_PROBE's ops against portable's: the ops that part."""
+    found = {}
+    for name, mode, env, threads in settings(flags):
+        env = {**env, **(PORTABLE_ENV if mode == "portable" else {})}
+        code = f"import torch; torch.set_num_threads({threads})\n" + OPS_PROBE
+        done = subprocess.run([sys.executable, "-c", code], env=clean_env(env), capture_output=True, text=True,
+                              check=True)
+        found[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    base = found["portable"]
+    ops = [k for k in base if k != "kernels"]
+    lines = ["", "Ops on fixed inputs, against portable (differs: another rounding):", "",
+             "| setting | kernels | " + " | ".join(ops) + " |", "|---|---|" + "---|" * len(ops)]
+    for name, got in found.items():
+        marks = ["same" if got[op] == base[op] else "**differs**" for op in ops]
+        lines.append(f"| {name} | {got['kernels']} | " + " | ".join(marks) + " |")
+    return lines
 
 
 def clean_env(extra: dict) -> dict:
@@ -96,9 +135,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="pretraining steps per setting")
     ap.add_argument("--out", default=None, help="also write the table here (markdown)")
     ap.add_argument("--no-stages", action="store_true", help="the target rows only (no tokenizer and data rows)")
+    ap.add_argument("--ops-only", action="store_true", help="only the table of single ops (seconds, no run needed)")
     args = ap.parse_args()
     results = Path(args.results)
     flags = cpu_flags()
+    if args.ops_only:
+        print("\n".join(ops_rows(flags)))
+        return
     lines = [f"CPU: {cpu_model()}, {os.cpu_count()} cores, AVX2 {'yes' if 'avx2' in flags else 'no'}, "
              f"AVX-512 {'yes' if 'avx512f' in flags else 'no'}; target pretrained {args.steps} steps per setting", "",
              "| setting | seconds | / native | weights against portable |", "|---|---:|---:|---|"]
@@ -119,6 +162,7 @@ def main() -> None:
             lines.append(f"| {name} | {seconds:.1f} | {seconds / native:.2f} | {where} |")
         if not args.no_stages:
             lines += tokenizer_rows(results, work) + data_rows(work)
+    lines += ops_rows(flags)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

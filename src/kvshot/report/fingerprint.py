@@ -207,7 +207,9 @@ def compare_runs(a: str | Path, b: str | Path) -> dict:
             rows.append({"stage": stage, "status": "same"})
             continue
         names = sorted(set(fa["members"][stage]) | set(fb["members"][stage]))
-        differing = [n for n in names if fa["files"].get(n) != fb["files"].get(n)]
+        # weights and shards first: the tensor that parts is what a reader wants, then records
+        differing = sorted((n for n in names if fa["files"].get(n) != fb["files"].get(n)),
+                           key=lambda n: (not n.endswith(".safetensors"), n))
         where = None
         if differing:
             n = differing[0]
