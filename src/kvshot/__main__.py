@@ -450,7 +450,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = replace(cfg, threads=args.threads)
         # before any stage imports torch: the libraries read these once (a config-less export: portable)
         mode = cfg.numerics if cfg is not None else "portable"
-        print(numerics.status_line(mode, numerics.apply(mode)), flush=True)   # the log's first line
+        set_here = numerics.apply(mode)
+        if cfg is not None:   # a pipeline stage: the log's first line says what it computes with
+            print(numerics.status_line(mode, set_here), flush=True)
         summary = stage.run(args, cfg)
     except (ConfigError, DataError, FileNotFoundError, GGUFError, NumericsError) as exc:
         print(f"kvshot {args.stage}: error: {exc}", file=sys.stderr)

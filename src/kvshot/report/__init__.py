@@ -126,9 +126,10 @@ def fingerprint_lines(results: str) -> list[str]:
     target = prints.get("files", {}).get("target/model/model.safetensors", "")
     return [f"Run fingerprint **`{prints['run']}`**: numerics {m.get('numerics')} ({m.get('kernels')} kernels) on "
             f"{m.get('cpu')} ({m.get('cpu_id')}; {m.get('cores')} cores, {isa}), torch "
-            f"{m.get('versions', {}).get('torch')}; target weights sha256 `{target[:16]}`. Your run printed the "
-            f"same in `results/fingerprints.json`: it gave these digits; if not, `python -m kvshot compare-runs` "
-            f"names the first stage and tensor that differ ([docs/reproducibility.md](docs/reproducibility.md)).", ""]
+            f"{m.get('versions', {}).get('torch')}; target weights sha256 `{target[:16]}`. If your run's "
+            f"`results/fingerprints.json` holds the same run fingerprint, it gave these digits; if not, `python -m "
+            f"kvshot compare-runs` names the first stage and tensor that differ "
+            f"([docs/reproducibility.md](docs/reproducibility.md)).", ""]
 
 
 def rounding_verdicts(results: str | None) -> dict[str, str]:
