@@ -385,8 +385,13 @@ def slurm_run(tmp_path_factory):
 
 
 def slurm_snakemake(cwd, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    """`snakemake` through the test cluster (tests/slurm_snakemake.py: the status checks every 2 s)."""
-    return subprocess.run([*SLURM_SNAKEMAKE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    """`snakemake` through the test cluster (tests/slurm_snakemake.py: the status checks every 2 s),
+    submitted without the portable numerics' variables (conftest sets them for the session's own
+    processes; sbatch would carry them): the jobs must get them from the workflow's shell prefix."""
+    from kvshot.core.numerics import PORTABLE_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in PORTABLE_ENV}
+    return subprocess.run([*SLURM_SNAKEMAKE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.mark.slow
@@ -416,6 +421,12 @@ def test_smoke_dag_goes_through_sbatch(slurm_run, smoke_workdir):
         if path.endswith("metrics.json"):   # timings differ; the numbers must not
             a, b = ({k: v for k, v in json.loads(x).items() if "seconds" not in k} for x in (a, b))
         assert a == b, path
+    # the target's weights bit for bit, and every SLURM job in portable numerics from its environment
+    weights = "results/target/model/model.safetensors"
+    assert (wd / weights).read_bytes() == (local / weights).read_bytes()
+    for log in sorted((wd / "logs").glob("*.log")):
+        lines = [x for x in log.read_text().splitlines() if x.startswith("numerics: ")]
+        assert lines and all(x.endswith("; from the job's environment)") for x in lines), (log.name, lines)
 
 
 @pytest.mark.slow

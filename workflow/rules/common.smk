@@ -166,11 +166,14 @@ def train_launcher():
     return launcher_command(config["drafters"]["train"]["num_processes"])
 
 
-def torch_threads(wildcards, threads):
-    """A job's torch threads: under portable numerics the config's `threads` whatever the
-    scheduler grants (a reduction's digits depend on the thread count: fewer cores run slower,
-    not differently); native: the cores granted."""
-    return config["threads"] if config["numerics"] == "portable" else threads
+def torch_threads():
+    """The torch threads of a job that runs the config's `threads` (the target): under portable
+    numerics that count whatever cores Snakemake has (a reduction's digits depend on the thread
+    count: fewer cores run slower, not differently); native: at most --cores, as `threads:` is.
+    A value, not a params function of `threads`, which the SLURM profile's dry run cannot size."""
+    if config["numerics"] == "portable":
+        return config["threads"]
+    return min(config["threads"], workflow.cores or config["threads"])
 
 
 def train_rank_threads():

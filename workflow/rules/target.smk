@@ -29,7 +29,7 @@ rule target:
         metrics="results/target/metrics.json",
     params:
         cfg=stage_params("data", "target"),
-        threads=torch_threads,
+        threads=torch_threads(),
     log:
         log_path("target"),
     benchmark:
