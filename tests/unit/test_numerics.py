@@ -99,3 +99,20 @@ def test_the_target_job_runs_the_configs_threads_under_portable_numerics(tmp_pat
     wd = workdir(tmp_path)
     assert "--threads 2 " in target_command(wd)   # config/config.yaml: threads 2, on --cores 1
     assert "--threads 1 " in target_command(wd, "--config", "numerics=native")
+
+
+def test_a_stage_whose_torch_chose_other_kernels_stops_unless_a_script_asked_for_native():
+    """torch imported before the variables (a script that skipped `apply_for_script`): the portable
+    config's runtime refuses in one line; KVSHOT_NUMERICS=native (a benchmark's own choice) runs."""
+    if native_capability() == "AVX2":
+        pytest.skip("this CPU's own kernels are AVX2: torch cannot choose others here")
+    code = (f"import os, torch\nfrom kvshot.config import runtime, typed_config\n"
+            f"from kvshot.core.numerics import NumericsError\n"
+            f"cfg = typed_config([{str(REPO / 'config/config.yaml')!r}], ('target',))\n"
+            f"try:\n    runtime(cfg)\nexcept NumericsError as exc:\n    print('refused:', exc)\n"
+            f"os.environ['KVSHOT_NUMERICS'] = 'native'\nprint('native:', runtime(cfg).threads)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=scrubbed(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [x for x in done.stdout.splitlines() if x.startswith(("refused:", "native:"))]
+    assert lines[0].startswith("refused: numerics portable: torch runs ") and "where AVX2 is needed" in lines[0]
+    assert lines[1] == "native: 2"
