@@ -1,6 +1,7 @@
 """Running Snakemake in a scratch directory that sees the repo's workflow (both tiers use it)."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -35,3 +36,17 @@ def job_counts(out: str) -> dict[str, int]:
     table = out[out.index("Job stats:"):]
     table = table[: table.index("total") + 5] if "total" in table else table
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m.group(1) != "total"}
+
+
+def without_numerics() -> dict:
+    """This environment without the portable numerics' variables (tests/conftest.py sets them for
+    the session's own processes): a Snakemake run started with it shows what its jobs get from the
+    workflow's shell prefix alone."""
+    from kvshot.core.numerics import PORTABLE_ENV
+
+    return {k: v for k, v in os.environ.items() if k not in PORTABLE_ENV}
+
+
+def numerics_lines(log: Path) -> list[str]:
+    """A job log's `numerics: ...` lines (each kvshot stage opens with one)."""
+    return [x for x in log.read_text().splitlines() if x.startswith("numerics: ")]

@@ -14,7 +14,6 @@ from .config import ConfigError, fill_defaults, runtime, typed_config
 from .settings import Config
 from kvshot.core.gguf import GGUFError
 from kvshot.core.io import DataError
-from kvshot.core.numerics import NumericsError
 from kvshot.core import numerics
 from kvshot.core.progress import quiet_library_bars
 
@@ -454,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg is not None:   # a pipeline stage: the log's first line says what it computes with
             print(numerics.status_line(mode, set_here), flush=True)
         summary = stage.run(args, cfg)
-    except (ConfigError, DataError, FileNotFoundError, GGUFError, NumericsError) as exc:
+    except (ConfigError, DataError, FileNotFoundError, GGUFError, numerics.NumericsError) as exc:
         print(f"kvshot {args.stage}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:   # full disk, read-only or unreadable output: the traceback stays in the log

@@ -300,9 +300,8 @@ def runtime(cfg: Config) -> Runtime:
         # bf16 matmul on CPU is ~400x slower than fp32 here.
         dtype = "bfloat16" if device == "cuda" else "float32"
     torch.set_num_threads(int(cfg.threads))
-    if device == "cpu":
+    if device == "cpu":   # on CUDA a GPU's digits are its own (kvshot.core.numerics): the host's kernels go unchecked
         retain_freed_memory()
-    if device == "cpu":   # a GPU's digits are its own (kvshot.core.numerics): the host's kernels are not checked
         numerics.check(cfg.numerics or "portable")
     print(numerics.kernels_line(int(cfg.threads)), flush=True)   # stdout: stderr holds only a failure's one line
     return Runtime(device=device, dtype=dtype, threads=int(cfg.threads), seed=int(cfg.seed))

@@ -8,15 +8,7 @@ import re
 import pytest
 
 from ..conftest import REPO
-from ..dag import dry_run_jobs, job_counts, snakemake, workdir
-
-
-def without_numerics() -> dict:
-    import os
-
-    from kvshot.core.numerics import PORTABLE_ENV
-
-    return {k: v for k, v in os.environ.items() if k not in PORTABLE_ENV}
+from ..dag import dry_run_jobs, job_counts, numerics_lines, snakemake, without_numerics, workdir
 
 @pytest.mark.slow
 def test_smoke_dag_end_to_end(smoke_workdir):
@@ -34,7 +26,7 @@ def test_smoke_dag_end_to_end(smoke_workdir):
     logs = sorted((wd / "logs").glob("*.log"))
     assert len(logs) > 40
     for log in logs:
-        lines = [x for x in log.read_text().splitlines() if x.startswith("numerics: ")]
+        lines = numerics_lines(log)
         assert lines and all(x.endswith("; from the job's environment)") and "MKL_CBWR=AVX2,STRICT" in x
                              for x in lines), (log.name, lines)
     prints = json.loads((wd / "results/fingerprints.json").read_text())

@@ -26,7 +26,7 @@ from kvshot.config import read_config
 from kvshot.train.launch import FREE_PORT_SHELL, accelerate_args, free_port, launcher_command, scaled_steps
 
 from ..conftest import REPO
-from ..dag import snakemake, workdir
+from ..dag import numerics_lines, snakemake, without_numerics, workdir
 from ..unit.test_envs import CPU_RULES, DEVICE_RULES, LOCAL_RULES, rule_envs
 
 SLURM_SNAKEMAKE = [sys.executable, str(REPO / "tests/slurm_snakemake.py")]   # backoff capped: see there
@@ -388,10 +388,8 @@ def slurm_snakemake(cwd, *args: str, timeout: int = 900) -> subprocess.Completed
     """`snakemake` through the test cluster (tests/slurm_snakemake.py: the status checks every 2 s),
     submitted without the portable numerics' variables (conftest sets them for the session's own
     processes; sbatch would carry them): the jobs must get them from the workflow's shell prefix."""
-    from kvshot.core.numerics import PORTABLE_ENV
-
-    env = {k: v for k, v in os.environ.items() if k not in PORTABLE_ENV}
-    return subprocess.run([*SLURM_SNAKEMAKE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([*SLURM_SNAKEMAKE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=without_numerics())
 
 
 @pytest.mark.slow
@@ -425,7 +423,7 @@ def test_smoke_dag_goes_through_sbatch(slurm_run, smoke_workdir):
     weights = "results/target/model/model.safetensors"
     assert (wd / weights).read_bytes() == (local / weights).read_bytes()
     for log in sorted((wd / "logs").glob("*.log")):
-        lines = [x for x in log.read_text().splitlines() if x.startswith("numerics: ")]
+        lines = numerics_lines(log)
         assert lines and all(x.endswith("; from the job's environment)") for x in lines), (log.name, lines)
 
 

@@ -100,41 +100,34 @@ def check(mode: str) -> None:
                             f"run with --config numerics=native, whose digits are this machine's own")
 
 
-def cpu_model() -> str:
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    fields = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if not line.strip() and fields:
+                break
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
+
+
+def cpu_model() -> str:
+    return cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 def cpu_id() -> str:
     """vendor, family, model and stepping: "AMD EPYC" alone names several generations."""
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("vendor_id", "cpu family", "model", "stepping") and key not in fields:
-                fields[key] = value.strip()
-            if not line.strip() and fields:
-                break
-    except OSError:
-        return platform.machine()
+    info = cpuinfo()
     labels = {"vendor_id": "", "cpu family": "family ", "model": "model ", "stepping": "stepping "}
-    return " ".join(f"{label}{fields[k]}" for k, label in labels.items() if k in fields)
+    return " ".join(f"{label}{info[k]}" for k, label in labels.items() if k in info) or platform.machine()
 
 
 def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    info = cpuinfo()
+    return set(info["flags"].split()) if "flags" in info else set()
 
 
 def describe(mode: str) -> dict:

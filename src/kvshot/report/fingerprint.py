@@ -17,11 +17,13 @@ import re
 import struct
 from pathlib import Path
 
+from kvshot.core.integrity import MANIFEST, file_digest
+
 # a clock's value (seconds, ms, per-second rates, speedups, overheads, where a run stopped for
 # time) or a job's bookkeeping (the checkpoint a resumed job started from): not part of the digits
 TIMING_KEY = re.compile(r"(seconds|_s$|_s_|per_s|ms/|speedup|overhead|latency|timing|elapsed|wall|minutes|stopped_by"
                         r"|resumed_from|^date$|^host$)")
-SKIP_NAMES = {"checksums.json", "progress.json"}   # a manifest repeats its folder; progress is bookkeeping
+SKIP_NAMES = {MANIFEST, "progress.json"}   # a manifest repeats its folder; progress is bookkeeping
 SKIP_SUFFIXES = {".ckpt", ".log", ".tsv", ".pdf", ".png", ".lock"}
 
 
@@ -60,16 +62,25 @@ def without_timing(value):
     return value
 
 
-def content_digest(path: Path) -> str:
-    """SHA-256 of what a file says: a JSON file's fields without timing, else its bytes."""
-    h = hashlib.sha256()
+def content_digest(path: Path, recorded: dict[str, str] | None = None) -> str:
+    """SHA-256 of what a file says: a JSON file's fields without timing, else its bytes, as the
+    stage that wrote it recorded them (`recorded_digests`) or hashed here."""
     if path.suffix == ".json":
-        h.update(json.dumps(without_timing(json.loads(path.read_text())), sort_keys=True).encode())
-        return h.hexdigest()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.sha256(json.dumps(without_timing(json.loads(path.read_text())), sort_keys=True).encode()).hexdigest()
+    return (recorded or {}).get(str(path)) or file_digest(path)
+
+
+def recorded_digests(results: Path) -> dict[str, str]:
+    """{path: sha256} of the files whose writer recorded them: each folder's checksums.json
+    (kvshot.core.integrity) and a features index's shard_checksums. Weights and feature shards
+    are the bulk of a run's bytes; their stages hashed them once already, and check them on read."""
+    out = {}
+    for manifest in results.rglob(MANIFEST):
+        out.update({str(manifest.parent / n): r["sha256"] for n, r in json.loads(manifest.read_text()).items()})
+    for index in results.glob("features/*/index.json"):
+        shards = json.loads(index.read_text()).get("shard_checksums", {})
+        out.update({str(index.parent / n): r["sha256"] for n, r in shards.items()})
+    return out
 
 
 def fingerprints(results: str | Path) -> dict:
@@ -77,11 +88,12 @@ def fingerprints(results: str | Path) -> dict:
     [paths]}} for a results folder."""
     results = Path(results)
     files, stages, members = {}, {}, {}
+    recorded = recorded_digests(results)
     for stage, globs in stage_globs(results):
         names = stage_files(results, globs)
         if not names:
             continue
-        digests = {n: content_digest(results / n) for n in names}
+        digests = {n: content_digest(results / n, recorded) for n in names}
         files.update(digests)
         members[stage] = names
         stages[stage] = hashlib.sha256("".join(f"{n}\0{d}\n" for n, d in digests.items()).encode()).hexdigest()[:16]
