@@ -162,6 +162,17 @@ def _cmd_compare_runs(args, cfg) -> dict:
     return {"first_difference": report["first"]}
 
 
+def _cmd_serve(args, cfg) -> dict:
+    from kvshot.serve.environment import have_vllm, rerun_in_venv
+
+    if not have_vllm():   # the project's environment: the same command in vLLM's own (built once per machine)
+        rerun_in_venv(sys.argv[1:])
+    from kvshot.serve.stage import run_serve_stage
+
+    return run_serve_stage(cfg, runtime(cfg), args.target, args.export, args.drafter, args.assistant, args.prompts,
+                           args.features_index, args.out, args.table)
+
+
 def _cmd_scaling_report(args, cfg) -> dict:
     from .report import run_scaling_report
 
@@ -333,6 +344,15 @@ STAGES = {
         _cmd_e2e_timing, ("target", "drafters", "eval"),
         "EAGLE-3's and the hybrid's drafting time per round, timed alternately in one process",
         ("reference", "hybrid", "target", "prompts", "features-index", "out")),
+    "serve": Stage(
+        _cmd_serve, ("target", "drafters", "eval", "serve"),
+        "the exported EAGLE-3 drafters in vLLM (its own environment) beside kvshot's decoder, HF generate, HF assisted "
+        "generation and prompt lookup: lossless checks, vLLM's acceptance counters beside kvshot's, tokens/s",
+        ("drafter", "target", "prompts", "features-index", "out", "table"),
+        (("--export", dict(nargs="+", required=True, help="EAGLE-3 folders (kvshot export), one per --drafter, "
+                                                         "in the same order")),
+         ("--assistant", dict(default=None, help="the standalone drafter folder: HF assisted generation's draft "
+                                                 "model (omitted: no assisted rows)")))),
     "scaling-report": Stage(
         _cmd_scaling_report, ("drafters", "scaling"),
         "MAT against the number of training samples (figures/scaling.pdf)", ("results", "figure", "table")),

@@ -23,7 +23,7 @@ from kvshot.core import numerics, taps
 from .checks import check_consistency
 from .settings import Config, FeaturesSettings
 
-SECTIONS = ("data", "tokenizer", "target", "features", "drafters", "eval", "scaling", "curve")
+SECTIONS = ("data", "tokenizer", "target", "features", "drafters", "eval", "scaling", "curve", "serve")
 GLOBALS = ("seed", "device", "dtype", "threads", "numerics")
 
 

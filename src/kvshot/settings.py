@@ -339,6 +339,17 @@ class CurveSettings:
 
 
 @dataclass(frozen=True)
+class ServeSettings:
+    ks: tuple[int, ...]
+    prompts: int | None
+    max_new_tokens: int | None
+    repeats: int
+    prompt_lookup_tokens: int
+    kv_cache_gib: int
+    compile: bool
+
+
+@dataclass(frozen=True)
 class ScalingSettings:
     train_samples: tuple[int, ...]
     variants: tuple[str, ...]
@@ -365,6 +376,7 @@ class Config:
     plateau: PlateauSettings | None
     scaling: ScalingSettings | None
     curve: CurveSettings | None
+    serve: ServeSettings | None
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> "Config":
