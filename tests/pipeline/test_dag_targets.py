@@ -16,7 +16,8 @@ from safetensors import safe_open
 
 from ..conftest import REPO
 from ..dag import snakemake, workdir
-from ..unit.test_envs import CPU_RULES, DEFAULT_PROFILE_KEYS, DEVICE_RULES, LOCAL_RULES, OPTIONAL_RULES, rule_envs
+from ..unit.test_envs import (CPU_RULES, DEFAULT_PROFILE_KEYS, DEVICE_RULES, LOCAL_RULES, OPTIONAL_RULES, device_env,
+                              rule_envs)
 from ..unit.test_export import SGLANG_PARAMS, sglang_destination
 from ..unit.test_reliability import _sharegpt
 
@@ -199,14 +200,15 @@ def test_rules_run_in_env_files_chosen_by_device(tmp_path):
     for name in LOCAL_RULES:   # run on the submitting host (localrules)
         assert paper.pop(name) == "localrule", name
     for name, env in paper.items():
-        assert env == (gpu if name in DEVICE_RULES else cpu), f"paper config: rule {name} runs in {env}"
+        assert env == str((REPO / "envs" / device_env(name, True)).resolve()), f"paper config: rule {name} runs in {env}"
     # the embedded default (device: auto) and a CUDA-less overlay of the paper config stay on CPU
     (wd / "cpu.yaml").write_text("device: cpu\n")
     for overlays in ((), ("config/paper.yaml", "cpu.yaml")):
         envs = rule_envs(wd, *overlays)
         for name in ("all", *LOCAL_RULES):
             envs.pop(name)
-        assert set(envs.values()) == {cpu}, (overlays, envs)
+        assert envs == {n: str((REPO / "envs" / device_env(n, False)).resolve()) for n in envs}, (overlays, envs)
+        assert {e for n, e in envs.items() if n != "serve_vllm"} == {cpu}, (overlays, envs)
 
 
 # from test_envs.py

@@ -27,7 +27,7 @@ from kvshot.train.launch import FREE_PORT_SHELL, accelerate_args, free_port, lau
 
 from ..conftest import REPO
 from ..dag import numerics_lines, snakemake, without_numerics, workdir
-from ..unit.test_envs import CPU_RULES, DEVICE_RULES, LOCAL_RULES, rule_envs
+from ..unit.test_envs import CPU_RULES, DEVICE_RULES, LOCAL_RULES, device_env, rule_envs
 
 SLURM_SNAKEMAKE = [sys.executable, str(REPO / "tests/slurm_snakemake.py")]   # backoff capped: see there
 
@@ -74,7 +74,7 @@ def parse_dry_run(out: str) -> list[dict]:
 # Every target of the workflow, through the paper profile: `all` and the ones not behind it.
 # One dry run per group (a dry run of the paper DAG takes ~10 s); regenerate_data exists only
 # with data.regenerate.enabled, an overlay of its own.
-PAPER_TARGETS = ("all", "figures/scaling.pdf", "figures/blockwise.pdf", "results/export/eagle3",
+PAPER_TARGETS = ("all", "figures/scaling.pdf", "figures/blockwise.pdf", "results/export/eagle3", "results/serve/vllm.json",
                  "results/plateau/claims.md", "results/published/table.md", "figures/drift.pdf", "results/curve/curve.md")
 # the rules only an option runs: data.regenerate (regenerate_data), eval.shared_target_pass (eval_stepwise_shared)
 # drafters.group_training off: drift_train (config/paper.yaml trains every drift variant in one group)
@@ -195,7 +195,7 @@ def assert_booked(job: dict, envs: dict[str, str | None]) -> None:
         assert flags.get("--cpus-per-task") == "1" and flags.get("--ntasks") == "1", (rule, flags)
     elif rule in DEVICE_RULES:
         gpus = launched_processes(job["shell"])
-        assert envs[rule].endswith("/envs/gpu.yaml"), (rule, envs[rule])
+        assert envs[rule].endswith(f"/envs/{device_env(rule, True)}"), (rule, envs[rule])
         assert (res.get("slurm_partition"), res.get("gpu"), res.get("nodes")) == (GPU_PARTITION, str(gpus), "1"), \
             f"{rule} launches {gpus} process(es) on CUDA: {res}"
         assert (flags["-p"], flags.get("--gpus"), flags.get("--nodes")) == (GPU_PARTITION, str(gpus), "1"), (rule, flags)

@@ -22,7 +22,7 @@ DEVICE_RULES = {"target", "capture_features", "target_continuations", "train_dra
                 "blockwise_stepwise", "blockwise_e2e", "plateau_train", "plateau_stepwise", "plateau_e2e",
                 "plateau_e2e_timing", "published_stepwise", "published_e2e", "published_benchmarks", "eval_benchmarks", "drift_train",
                 "drift_stepwise", "drift_e2e", "train_drafter_group", "scaling_train_group", "plateau_train_group",
-                "blockwise_train_group", "drift_train_group", "curve_capture", "curve_train"}   # *_group: drafters.group_training
+                "blockwise_train_group", "drift_train_group", "curve_capture", "curve_train", "serve_vllm"}   # *_group: drafters.group_training
 # a grouped drafter's folder, hard links into its group's (drafters.group_training): a `run:` rule on the
 # submitting host (localrules), no SLURM job
 LOCAL_RULES = {"drafter_from_group", "scaling_drafter_from_group", "plateau_drafter_from_group",
@@ -32,9 +32,22 @@ OPTIONAL_RULES = {"regenerate_data", "export_eagle3", "eval_stepwise_shared", "b
                   "plateau_report", "import_published", "published_stepwise", "published_e2e",
                   "published_benchmarks", "published_table", "drift_train", "drift_stepwise", "drift_e2e", "drift_report",
                   "plateau_train_group", "blockwise_train_group", "drift_train_group", "curve_capture", "curve_train",
-                  "curve_report"}   # not behind `all`: asked for by config or by target
+                  "curve_report", "serve_vllm"}   # not behind `all`: asked for by config or by target
 CPU_RULES = {"prepare_data", "train_tokenizer", "report", "scaling_report", "export_eagle3", "blockwise_report",
              "plateau_report", "import_published", "published_table", "drift_report", "curve_report"}
+
+# rules that run in a serving engine's own environment (its pins differ from the project's): the
+# env files on CUDA and on CPU, in place of gpu.yaml and cpu.yaml
+ENGINE_ENVS = {"serve_vllm": ("vllm-cuda.yaml", "vllm-cpu.yaml")}
+ENGINE_ENV_FILES = {f for pair in ENGINE_ENVS.values() for f in pair}
+
+
+def device_env(rule: str, cuda: bool) -> str:
+    """The env file name a rule runs in, with the config's device on CUDA or on CPU."""
+    if rule in ENGINE_ENVS:
+        return ENGINE_ENVS[rule][0 if cuda else 1]
+    return "gpu.yaml" if cuda and rule in DEVICE_RULES else "cpu.yaml"
+
 
 RULE_ENVS = """
 import json, sys
@@ -80,6 +93,8 @@ def test_env_pins_match_pyproject():
     for orchestrator in ("snakemake", "snakemake-executor-plugin-slurm"):   # runs outside the job envs
         wanted.pop(orchestrator)
     for env in sorted((REPO / "envs").glob("*.yaml")):
+        if env.name in ENGINE_ENV_FILES:   # vLLM's pins: tests/unit/test_serve.py checks the ones shared
+            continue
         pins = _pins(_pip(env))
         for name, pin in wanted.items():
             assert pins.get(name) == pin, f"{env.name}: {name} pinned {pins.get(name)}, pyproject says {pin}"
@@ -90,6 +105,10 @@ def test_every_env_entry_is_pinned():
     ranges = {k: v for k, v in _pins(project["dependencies"]).items() if v.startswith(">=")}
     for env in sorted((REPO / "envs").glob("*.yaml")):
         for line in _pip(env):
+            if env.name in ENGINE_ENV_FILES and (line.startswith("--extra-index-url ")
+                                                 or line.split()[0].split(">=")[0] in ("torchaudio", "torchvision",
+                                                                                       "torchcodec")):
+                continue   # vllm-cpu.yaml: PyTorch's CPU index, and the three builds pip matches to its torch there
             pins = _pins([line])
             assert pins, f"{env.name}: {line!r} has no version"
             ((name, pin),) = pins.items()

@@ -25,6 +25,7 @@ LAYERS = [
     ["train"],                     # the one TTT trainer
     ["evaluate"],                  # step-wise and end-to-end evaluation
     ["interop"],                   # export to and import from published heads
+    ["serve"],                     # the drafters in a serving engine (vLLM) beside the decoder
     ["paper_shapes"],              # the fake-tensor meter runs every stage's code
     ["cli"],                       # python -m kvshot
 ]

@@ -123,7 +123,7 @@ def test_published_figures_read_as_a_mapping():
 
 # builds a rule's params for Snakemake (common.smk), whose config is plain data
 PLAIN_CONFIG = {("head_stage.py", "head_stage_config")}
-STAGE_PACKAGES = ("data", "capture", "drafters", "train", "evaluate", "interop", "paper_shapes", "report")
+STAGE_PACKAGES = ("data", "capture", "drafters", "train", "evaluate", "interop", "serve", "paper_shapes", "report")
 
 
 def test_the_stages_take_the_typed_config():

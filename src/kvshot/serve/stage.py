@@ -35,6 +35,10 @@ from kvshot.serve.tables import serve_markdown
 from kvshot.settings import Config
 
 Method = Callable[[list[int]], list[int]]   # prompt ids -> generated ids (eos kept)
+# untimed pause after each timed call: a vLLM engine's processes finish their step's bookkeeping on
+# the same cores after `generate` returns (the 2026-12-07 toy run without it: kvshot's K=1 chain,
+# timed right after vLLM's K=7 engine on every other prompt, ran 2x slower than alone)
+SETTLE_S = 0.1
 
 
 def _variant_of(folder: str) -> str:
@@ -61,7 +65,8 @@ def mismatches(outputs: list[list[int]], reference: list[list[int]]) -> list[int
 
 
 def timed_pass(methods: dict[str, Method], prompts: list[list[int]], repeats: int) -> dict[str, dict]:
-    """Batch 1, every method once per prompt, the order reversed on every other prompt."""
+    """Batch 1, every method once per prompt, the order reversed on every other prompt, a pause
+    (SETTLE_S, untimed) after every call."""
     names = list(methods)
     seconds = {n: [] for n in names}
     tokens = dict.fromkeys(names, 0)
@@ -72,6 +77,7 @@ def timed_pass(methods: dict[str, Method], prompts: list[list[int]], repeats: in
                 start = time.perf_counter()
                 out = methods[n](ids)
                 total[n] += time.perf_counter() - start
+                time.sleep(SETTLE_S)
                 if r == 0:
                     tokens[n] += len(out)
         for n in names:
