@@ -346,6 +346,7 @@ class ServeSettings:
     repeats: int
     prompt_lookup_tokens: int
     kv_cache_gib: int
+    gpu_memory_fraction: float
     compile: bool
 
 

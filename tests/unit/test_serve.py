@@ -10,6 +10,7 @@ import pytest
 
 from kvshot.serve import environment
 from kvshot.serve.engine import Counts, kvshot_counts, step_counts
+from kvshot.serve.stage import engine_gpu_share
 from kvshot.serve.tables import serve_markdown
 from ..conftest import REPO
 
@@ -90,3 +91,8 @@ def test_the_local_venv_leaves_out_cuda_and_multimodal_packages_and_hashes_its_p
     assert environment.venv_dir(other) != environment.venv_dir()
     with pytest.raises(environment.VllmEnvError, match="missing"):
         environment.pins(tmp_path / "absent.yaml")
+
+
+def test_engines_split_the_gpu_and_leave_the_cpu_to_the_kv_cache_setting():
+    assert engine_gpu_share("cuda", 0.6, 6) == pytest.approx(0.1)   # plain + one drafter at five K
+    assert engine_gpu_share("cpu", 0.6, 6) is None

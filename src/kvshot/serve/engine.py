@@ -79,15 +79,20 @@ class Engine:
     """One vLLM engine: the target alone (`draft_dir` None) or with an EAGLE-3 drafter at K."""
 
     def __init__(self, target_dir: str, draft_dir: str | None = None, k: int = 0, max_model_len: int = 2048,
-                 compile: bool = True, seed: int = 0, dtype: str = "float32"):
+                 compile: bool = True, seed: int = 0, dtype: str = "float32", gpu_memory_utilization: float | None = None):
+        """gpu_memory_utilization: on CUDA, this engine's share of the GPU (weights, activations and
+        KV cache); the stage's engines and the HF target share one GPU. None on CPU."""
         from vllm import LLM
 
         spec = None if draft_dir is None else {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
         self.k, self.draft_dir = k, draft_dir
+        extra = {} if spec is None else {"per_request_spec_decode_metrics": "detailed"}
+        if gpu_memory_utilization is not None:
+            extra["gpu_memory_utilization"] = gpu_memory_utilization
         start = time.perf_counter()
         self.llm = LLM(model=str(target_dir), dtype=dtype, skip_tokenizer_init=True, seed=seed,
                        max_model_len=max_model_len, disable_log_stats=False, enforce_eager=not compile,
-                       speculative_config=spec, **({} if spec is None else {"per_request_spec_decode_metrics": "detailed"}))
+                       speculative_config=spec, **extra)
         self.load_s = time.perf_counter() - start
 
     def prometheus_counts(self) -> Counts:

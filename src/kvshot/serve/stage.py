@@ -46,18 +46,26 @@ def _variant_of(folder: str) -> str:
 
 
 def start_engines(target_dir: str, exports: list[str], ks: list[int], compile_: bool, seed: int,
-                  max_model_len: int) -> tuple[dict[str, Engine], dict[str, str]]:
-    """vLLM plain and every exported drafter at every K; an engine vLLM refuses is one line in `refused`."""
+                  max_model_len: int, dtype: str, gpu_share: float | None) -> tuple[dict[str, Engine], dict[str, str]]:
+    """vLLM plain and every exported drafter at every K, all alive at once (so the timed pass can
+    interleave them); an engine vLLM refuses is one line in `refused`."""
     wanted = [("vllm plain", None, 0)] + [(f"vllm {_variant_of(e)} K={k}", e, k) for e in exports for k in ks]
     engines, refused = {}, {}
     for i, (name, draft, k) in enumerate(wanted, 1):
         try:
-            engines[name] = Engine(target_dir, draft, k, max_model_len=max_model_len, compile=compile_, seed=seed)
+            engines[name] = Engine(target_dir, draft, k, max_model_len=max_model_len, compile=compile_, seed=seed,
+                                   dtype=dtype, gpu_memory_utilization=gpu_share)
             print(f"serve: vLLM engine {i}/{len(wanted)} ({name}) ready in {engines[name].load_s:.0f} s", flush=True)
         except Exception as e:   # vLLM's refusal (unsupported architecture, config key, shape): say why, go on
             refused[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
             print(f"serve: vLLM refused {name}: {refused[name]}", flush=True)
     return engines, refused
+
+
+def engine_gpu_share(device: str, fraction: float, engines: int) -> float | None:
+    """Each engine's gpu_memory_utilization: on CUDA the engines split `fraction` of the one GPU
+    (vLLM's default, 0.9 each, would leave the second engine nothing); on CPU none (VLLM_CPU_KVCACHE_SPACE)."""
+    return fraction / engines if device == "cuda" else None
 
 
 def mismatches(outputs: list[list[int]], reference: list[list[int]]) -> list[int]:
@@ -110,7 +118,9 @@ def run_serve_stage(cfg: Config, rt: Runtime, target_dir: str, exports: list[str
     engine_environment(rt.threads, scfg.kv_cache_gib)
     max_len = max(len(p) for p in prompts) + n_new + max(ks) + 8
     max_len = min(max_len, int(target.config.max_position_embeddings))
-    engines, refused = start_engines(target_dir, exports, ks, scfg.compile, cfg.seed, max_len)
+    gpu_share = engine_gpu_share(rt.device, scfg.gpu_memory_fraction, 1 + len(exports) * len(ks))
+    engines, refused = start_engines(target_dir, exports, ks, scfg.compile, cfg.seed, max_len,
+                                     str(target.dtype).split(".")[-1], gpu_share)
     last_engine = list(engines.values())[-1] if engines else None
 
     def ids(p: list[int]) -> torch.Tensor:
