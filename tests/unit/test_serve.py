@@ -96,3 +96,18 @@ def test_the_local_venv_leaves_out_cuda_and_multimodal_packages_and_hashes_its_p
 def test_engines_split_the_gpu_and_leave_the_cpu_to_the_kv_cache_setting():
     assert engine_gpu_share("cuda", 0.6, 6) == pytest.approx(0.1)   # plain + one drafter at five K
     assert engine_gpu_share("cpu", 0.6, 6) is None
+
+
+def test_an_engine_vllm_refuses_is_one_line_and_the_others_start(monkeypatch):
+    from kvshot.serve import stage
+
+    class Refusing:   # stands in for vLLM's LLM: refuses the K=3 drafter engine as vLLM's config check would
+        def __init__(self, target_dir, draft, k, **kwargs):
+            if k == 3:
+                raise ValueError("head size 16 is not supported\n  by the CPU attention backend")
+            self.load_s, self.k, self.draft_dir = 0.0, k, draft
+
+    monkeypatch.setattr(stage, "Engine", Refusing)
+    engines, refused = stage.start_engines("t", ["x/eagle3"], [1, 3], False, 0, 64, "float32", None)
+    assert list(engines) == ["vllm plain", "vllm eagle3 K=1"]
+    assert refused == {"vllm eagle3 K=3": "ValueError: head size 16 is not supported by the CPU attention backend"}
