@@ -323,3 +323,19 @@ def test_speculators_converts_loads_and_matches_kvshot_logits(exported, eagle3_d
     assert torch.equal(theirs["d2t"] + torch.arange(len(theirs["d2t"])), drafter.d2t)
     assert torch.equal(theirs["t2d"], drafter.t2d)
     assert torch.equal(theirs["embed"], drafter.embed_tokens.weight)
+
+
+def test_export_reads_a_gguf_targets_own_folder(eagle3_dir, tiny, tmp_path):
+    """config/smollm2.yaml's target (source gguf) keeps its weights in the target stage's folder, as a
+    pretrained-here target does: the export reads its config there, not from a hub snapshot."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny["model"], folder)
+    meta = json.loads((folder / "kvshot_target.json").read_text())
+    (folder / "kvshot_target.json").write_text(json.dumps({**meta, "source": "gguf", "name": None}))
+    out = tmp_path / "export"
+    assert main(["export", "--format", "eagle3", str(eagle3_dir), str(out), "--target", str(folder),
+                 "--config", json.dumps(stage_config(tiny["cfg"], "features"))]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_position_embeddings"] == json.loads((folder / "config.json").read_text())["max_position_embeddings"]

@@ -29,6 +29,8 @@ from kvshot.data.tokenizer import load_tokenizer
 from kvshot.settings import ArchSettings, Config, PretrainSettings, to_dict
 
 META_FILE = "kvshot_target.json"
+# the target stage saved these targets' weights in its folder; a `pretrained` target stays in the hub cache
+LOCAL_SOURCES = ("pretrain", "gguf")
 
 
 @functools.cache
@@ -88,7 +90,7 @@ def _weights(target_dir: str | Path) -> tuple[str, str | None]:
     """Where the target's weights are: the stage's folder (pretrain, gguf), or a hub id."""
     verify_folder(target_dir)   # a damaged weights file fails here, in one line naming it
     meta = read_json(Path(target_dir) / META_FILE)
-    local = meta["source"] in ("pretrain", "gguf")
+    local = meta["source"] in LOCAL_SOURCES
     return (str(target_dir), None) if local else (meta["name"], meta.get("revision"))
 
 

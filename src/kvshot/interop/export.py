@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from kvshot.capture.target import LOCAL_SOURCES
 from kvshot.core.io import DataError, atomic_dir, read_json, write_json
 from kvshot.drafters import DrafterConfig, load_drafter
 from kvshot.drafters.hidden import HiddenDrafter
@@ -67,7 +68,7 @@ def target_folder(target_dir: str | Path) -> Path:
     the hub snapshot it names (from the local HF cache, as every stage loads it)."""
     target_dir = Path(target_dir)
     meta_file = target_dir / "kvshot_target.json"
-    if not meta_file.is_file() or read_json(meta_file).get("source") == "pretrain":
+    if not meta_file.is_file() or read_json(meta_file).get("source") in LOCAL_SOURCES:   # weights in the folder
         return target_dir
     from huggingface_hub import snapshot_download
 
