@@ -84,16 +84,25 @@ def _cmd_train_drafter(args, cfg) -> dict:
 
 
 def _cmd_export(args, cfg) -> dict:
+    from kvshot.interop.dflash import export_dflash
     from kvshot.interop.export import export_eagle3
 
     # the features' aux layers; None: EAGLE-3's default for the target's depth (with --target)
     features = cfg.features if cfg else Config.from_dict(fill_defaults({"features": {"aux_layers": None}})).features
     aux, rule = features.aux_layers, features.aux_rule
+    if args.format == "dflash":
+        return export_dflash(args.drafter, args.out, args.target, aux, args.dtype, aux_rule=rule,
+                             mask_token_id=args.mask_token_id)
     return export_eagle3(args.drafter, args.out, args.target, aux, args.dtype, aux_rule=rule)
 
 
 def _cmd_import(args, cfg) -> dict:
     from kvshot.interop.published import import_eagle3
+
+    if args.format == "dflash":
+        from kvshot.interop.dflash import import_dflash
+
+        return import_dflash(args.checkpoint, args.target, args.out)
 
     # eagle3: either layout, found from config.json; speculators: vLLM's layout only
     layout = "auto" if args.format == "eagle3" else args.format
@@ -400,19 +409,23 @@ STAGES = {
         _cmd_export, ("features",), "write a drafter as a checkpoint serving engines load", (),
         (("drafter", dict(help="a trained drafter folder (results/drafters/<variant>/seed<N>)")),
          ("out", dict(help="the checkpoint folder to write")),
-         ("--format", dict(choices=["eagle3"], required=True, help="checkpoint layout (docs/drafter_format.md)")),
+         ("--format", dict(choices=["eagle3", "dflash"], required=True,
+                           help="checkpoint layout (docs/drafter_format.md): eagle3 (a one-layer hidden-only head) or "
+                                "dflash (a block-dflash drafter, vLLM's DFlash folder)")),
          ("--target", dict(default=None, help="the target folder: max positions, aux layers, checks")),
+         ("--mask-token-id", dict(type=int, default=None,
+                                  help="dflash: the id vLLM's mask slots carry (default: the vocabulary's last)")),
          ("--dtype", dict(choices=["float32", "bfloat16", "float16"], default="float32",
                           help="dtype of the written weights")),
          ("--config", dict(action="append", default=None, help="optional: only features.aux_layers is read")),
          THREADS), config=False),
     "import": Stage(
-        _cmd_import, (), "read an EAGLE-3 checkpoint folder into a kvshot drafter", (),
-        (("checkpoint", dict(help="an EAGLE-3 checkpoint folder (config.json + weights)")),
+        _cmd_import, (), "read an EAGLE-3 or DFlash checkpoint folder into a kvshot drafter", (),
+        (("checkpoint", dict(help="an EAGLE-3 or DFlash checkpoint folder (config.json + weights)")),
          ("out", dict(help="the kvshot drafter folder to write")),
-         ("--format", dict(choices=["eagle3", "speculators"], required=True,
+         ("--format", dict(choices=["eagle3", "speculators", "dflash"], required=True,
                            help="eagle3: an EAGLE-3 head in either layout (SpecForge/SGLang or speculators); "
-                                "speculators: that one only")),
+                                "speculators: that one only; dflash: vLLM's DFlash folder (kvshot export --format dflash)")),
          ("--aux-convention", dict(choices=["vllm", "sglang"], default=None,
                                    help="override: how the head's aux layer ids count, vllm (input of layer i) or "
                                         "sglang (output of layer i); default: resolved from the file "

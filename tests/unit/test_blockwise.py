@@ -30,6 +30,7 @@ BLOCKS = {
     "block-hidden-d1": {"name": "bh1", "paradigm": "block", "context": "hidden", "layers": 1, "block_size": S},
     "block-kv-d1-refine": {"name": "bkr", "paradigm": "block", "context": "kv", "layers": 1, "block_size": S,
                            "refine_passes": 1},   # one refinement pass
+    "block-dflash-d2": {"name": "bd2", "paradigm": "block", "context": "dflash", "layers": 2, "block_size": S},
 }
 
 
@@ -52,9 +53,12 @@ def context_keys(model, ctx: dict, b: int, i: int) -> tuple[torch.Tensor, torch.
     if model.cfg.block_context == "kv":
         l = model.cfg.kv_layers[i]
         return ctx[f"key_{l}"][b].transpose(0, 1), ctx[f"value_{l}"][b].transpose(0, 1)
-    x = model.context_norm(model.fc(ctx["aux_hidden"][b].flatten(-2)))[None]
-    layer = model.layers[i]
-    _, keys = layer.self_attn.project(layer.attn_norm(x), model.rotary(torch.arange(x.shape[1])[None]))
+    layer, rot = model.layers[i], model.rotary(torch.arange(ctx["aux_hidden"].shape[1])[None])
+    fused = model.fc(ctx["aux_hidden"][b].flatten(-2))[None]
+    if model.cfg.block_context == "dflash":   # one hidden_norm, then the layer's W_K/W_V (no attn_norm)
+        _, keys = layer.self_attn.project(model.hidden_norm(fused), rot)
+    else:
+        _, keys = layer.self_attn.project(layer.attn_norm(model.context_norm(fused)), rot)
     return keys.k[0], keys.v[0]
 
 
@@ -64,7 +68,8 @@ def reference_block(model, ctx: dict, ids: torch.Tensor, valid: torch.Tensor, b:
     valid context keys of positions <= t plus the block's own S keys, softmax, values. [S, H].
     guesses (a refinement pass): S - 1 target tokens whose embeddings the mask slots add."""
     x_next = ids[b, t + 1] if t + 1 < ids.shape[1] else torch.tensor(0)
-    masks = model.mask_embed if guesses is None else model.mask_embed + model.embed_tokens(guesses)
+    masks = model.mask_embed.expand(S - 1, -1)   # one row per slot, or DFlash's one for all
+    masks = masks if guesses is None else masks + model.embed_tokens(guesses)
     h = torch.cat([model.embed_tokens(x_next)[None], masks])[None]                    # [1, S, H]
     rot = model.rotary((t + 1 + torch.arange(S))[None])
     seen = valid[b, : t + 1]

@@ -27,13 +27,13 @@ DEVICE_RULES = {"target", "capture_features", "target_continuations", "train_dra
 # submitting host (localrules), no SLURM job
 LOCAL_RULES = {"drafter_from_group", "scaling_drafter_from_group", "plateau_drafter_from_group",
                "blockwise_drafter_from_group", "drift_drafter_from_group"}
-OPTIONAL_RULES = {"regenerate_data", "export_eagle3", "eval_stepwise_shared", "blockwise_train", "blockwise_stepwise", "blockwise_e2e",
+OPTIONAL_RULES = {"regenerate_data", "export_eagle3", "export_dflash", "eval_stepwise_shared", "blockwise_train", "blockwise_stepwise", "blockwise_e2e",
                   "blockwise_report", "plateau_train", "plateau_stepwise", "plateau_e2e", "plateau_e2e_timing",
                   "plateau_report", "import_published", "published_stepwise", "published_e2e",
                   "published_benchmarks", "published_table", "drift_train", "drift_stepwise", "drift_e2e", "drift_report",
                   "plateau_train_group", "blockwise_train_group", "drift_train_group", "curve_capture", "curve_train",
                   "curve_report", "serve_vllm"}   # not behind `all`: asked for by config or by target
-CPU_RULES = {"prepare_data", "train_tokenizer", "report", "scaling_report", "export_eagle3", "blockwise_report",
+CPU_RULES = {"prepare_data", "train_tokenizer", "report", "scaling_report", "export_eagle3", "export_dflash", "blockwise_report",
              "plateau_report", "import_published", "published_table", "drift_report", "curve_report"}
 
 # rules that run in a serving engine's own environment (its pins differ from the project's): the

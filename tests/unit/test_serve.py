@@ -3,6 +3,7 @@ the tables, the vLLM environment's pins and the rule's place in the workflow. Th
 through vLLM, is tests/pipeline/test_vllm_serve.py."""
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 
@@ -108,6 +109,22 @@ def test_an_engine_vllm_refuses_is_one_line_and_the_others_start(monkeypatch):
             self.load_s, self.k, self.draft_dir = 0.0, k, draft
 
     monkeypatch.setattr(stage, "Engine", Refusing)
-    engines, refused = stage.start_engines("t", ["x/eagle3"], [1, 3], False, 0, 64, "float32", None)
+    engines, refused = stage.start_engines("t", {"x/eagle3": [1, 3]}, False, 0, 64, "float32", None)
     assert list(engines) == ["vllm plain", "vllm eagle3 K=1"]
     assert refused == {"vllm eagle3 K=3": "ValueError: head size 16 is not supported by the CPU attention backend"}
+
+
+def test_a_dflash_export_runs_at_the_ks_its_block_holds(tmp_path):
+    """A DFlash folder drafts at most block_size - 1 tokens a round (its mask slots); an EAGLE-3
+    head any K; vLLM's method follows the folder's architecture."""
+    from kvshot.serve.engine import draft_method
+    from kvshot.serve.stage import export_ks
+
+    (tmp_path / "block-dflash").mkdir()
+    (tmp_path / "block-dflash" / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"],
+                                                                       "block_size": 4}))
+    (tmp_path / "eagle3").mkdir()
+    (tmp_path / "eagle3" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    dflash, eagle = str(tmp_path / "block-dflash"), str(tmp_path / "eagle3")
+    assert export_ks([eagle, dflash], [1, 2, 3, 5, 7]) == {eagle: [1, 2, 3, 5, 7], dflash: [1, 2, 3]}
+    assert (draft_method(dflash), draft_method(eagle)) == ("dflash", "eagle3")

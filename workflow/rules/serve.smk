@@ -1,7 +1,7 @@
 # Drafters in the engine users deploy (kvshot.serve, docs/serving.md). Not part of `all`; ask for it:
 #   snakemake --cores all results/serve/vllm.json
-# The run's exported EAGLE-3 drafters (export.smk) in vLLM, plain and at each serve.ks, beside kvshot's
-# decoder, HF generate, HF assisted generation (the standalone drafter) and prompt lookup, on eval.e2e's
+# The run's exported EAGLE-3 drafters and DFlash-layout block drafters (export.smk) in vLLM, plain and at
+# each serve.ks, beside kvshot's decoder, HF generate, HF assisted generation (the standalone drafter) and prompt lookup, on eval.e2e's
 # held-out prompts. vLLM pins its own transformers: the job runs in envs/vllm-cpu.yaml (vllm-cuda.yaml on
 # CUDA) under --sdm conda; without it, `python -m kvshot serve` builds that env's pins as a venv once per
 # machine (~/.cache/kvshot/vllm-*) and runs there.
@@ -12,8 +12,10 @@ ASSISTANT = next((v["name"] for v in config["drafters"]["variants"] if v["paradi
 
 rule serve_vllm:
     input:
-        exports=expand("results/export/{variant}", variant=EXPORTABLE),
-        drafters=expand("results/drafters/{variant}/seed{seed}", variant=EXPORTABLE, seed=SEEDS[0]),
+        exports=expand("results/export/{variant}", variant=EXPORTABLE)
+        + expand("results/blockwise/export/{variant}", variant=DFLASH_EXPORTABLE),
+        drafters=expand("results/drafters/{variant}/seed{seed}", variant=EXPORTABLE, seed=SEEDS[0])
+        + expand("results/blockwise/drafters/{variant}/seed{seed}", variant=DFLASH_EXPORTABLE, seed=SEEDS[0]),
         assistant=[f"results/drafters/{ASSISTANT}/seed{SEEDS[0]}"] if ASSISTANT else [],
         target="results/target/model",
         prompts="results/eval/natural.json",

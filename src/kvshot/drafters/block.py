@@ -19,7 +19,12 @@ How it reads the target is the one thing the variants differ in (`cfg.block_cont
   kv      the target's KV cache of the mapped layers, the KV-only paradigm's context (`kv_state`);
   hidden  the fused aux hidden states of every anchor, projected by each layer's own W_K/W_V to
           context keys at the anchor's position (DFlash's injection). While decoding they carry
-          over between rounds, as the hidden paradigm's own prefix does (`own_prefix`).
+          over between rounds, as the hidden paradigm's own prefix does (`own_prefix`);
+  dflash  DFlash's layout as vLLM serves it (`interop.dflash`): the same injection, but the fused
+          states pass one `hidden_norm` straight into each layer's W_K/W_V (no per-layer
+          `attn_norm` on the context), and every mask slot reads one shared mask embedding, so
+          a block may have any number of slots up to the trained block_size (vLLM drafts K
+          tokens with K + 1 slots: `draft_block(slots=K + 1)`).
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from .kv import kv_state
 from .own_prefix import add_own_keys, carried_state
 from .skeleton import Attention, DecoderLayer, Diagonal, Drafter, DrafterConfig, RMSNorm, StepState
 
-BLOCK_CONTEXTS = ("kv", "hidden")
+BLOCK_CONTEXTS = ("kv", "hidden", "dflash")
 
 
 def block_keys(x: Tensor, slots: int) -> Tensor:
@@ -53,12 +58,17 @@ class BlockDrafter(Drafter):
         if cfg.block_context not in BLOCK_CONTEXTS:
             raise ValueError(f"block drafter: context {cfg.block_context!r} (one of {', '.join(BLOCK_CONTEXTS)})")
         h = cfg.hidden_size
-        self.reads_aux_hidden = cfg.block_context == "hidden"
+        self.reads_aux_hidden = cfg.block_context in ("hidden", "dflash")
+        self.shared_mask = cfg.block_context == "dflash"
         self.layers = nn.ModuleList(DecoderLayer(h, cfg) for _ in range(cfg.num_layers))
-        self.mask_embed = nn.Parameter(0.02 * torch.randn(cfg.block_size - 1, h))   # one per mask slot
+        # one embedding per mask slot, or (DFlash) one for every slot
+        self.mask_embed = nn.Parameter(0.02 * torch.randn(1 if self.shared_mask else cfg.block_size - 1, h))
         if self.reads_aux_hidden:
             self.fc = nn.Linear(cfg.num_aux * h, h, bias=False)
-            self.context_norm = RMSNorm(h, cfg.rms_norm_eps)
+            if self.shared_mask:
+                self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+            else:
+                self.context_norm = RMSNorm(h, cfg.rms_norm_eps)
 
     @property
     def positions(self) -> int:
@@ -70,10 +80,11 @@ class BlockDrafter(Drafter):
         if self.cfg.block_context == "kv":
             return kv_state(ctx, anchors, self.cfg.kv_layers)
         state = carried_state(anchors, len(self.layers), previous, ctx.get("anchor_valid"))
-        x = self.context_norm(self.fc(ctx["aux_hidden"].flatten(-2)))   # the target's context at each anchor
+        fused = self.fc(ctx["aux_hidden"].flatten(-2))                   # the target's context at each anchor
+        x = self.hidden_norm(fused) if self.shared_mask else self.context_norm(fused)
         rot = self.rotary(anchors)                                       # anchor t's hidden state sits at t
         for i, layer in enumerate(self.layers):
-            _, keys = layer.self_attn.project(layer.attn_norm(x), rot)
+            _, keys = layer.self_attn.project(x if self.shared_mask else layer.attn_norm(x), rot)
             add_own_keys(state, i, keys, 0, state.extra.get("valid"))   # prefix keys, visible to anchors >= t
         return state
 
@@ -84,13 +95,17 @@ class BlockDrafter(Drafter):
 
     # -------------------------------------------------------------- the block forward
     def draft_block(self, state: StepState, first_ids: Tensor, positions: Tensor,
-                    passes: list[Tensor] | None = None) -> Tensor:
+                    passes: list[Tensor] | None = None, slots: int | None = None) -> Tensor:
         """One forward (plus cfg.block_refine refinement passes) for every anchor row of `state`:
         first_ids [B, R] the token x_{t+1} of each row and positions [B, R] its position t+1.
         Returns the last pass's slot output hidden states [B, R, S, H] (slot j at position t+1+j);
-        `passes`, if given, receives every earlier pass's. The state's rows become (anchor, slot) rows."""
+        `passes`, if given, receives every earlier pass's. The state's rows become (anchor, slot) rows.
+        `slots`: a shorter block (shared mask only), S = slots <= cfg.block_size."""
         b, r = first_ids.shape
-        s = self.cfg.block_size
+        s = slots or self.cfg.block_size
+        if s != self.cfg.block_size and not (self.shared_mask and 2 <= s <= self.cfg.block_size):
+            raise ValueError(f"block drafter: {s} slots: this drafter drafts blocks of {self.cfg.block_size}"
+                             + (" or fewer (at least 2)" if self.shared_mask else " (one mask embedding per slot)"))
         first = self.embed_tokens(first_ids)[:, :, None]
         masks = self.mask_embed.to(first.dtype).expand(b, r, s - 1, -1)
         slots = torch.arange(s, device=positions.device)

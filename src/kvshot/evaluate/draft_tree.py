@@ -198,7 +198,8 @@ def draft_block(drafter: Drafter, state: StepState, step0_ids: Tensor, anchors: 
                 temperature: float = 0.0, generator: torch.Generator | None = None) -> Draft:
     """A block drafter's round (`drafters.block`): one forward from the last new anchor t, whose
     slot 0 reads x_{t+1} (the bonus token, step0_ids' last); block position k is depth k + 1,
-    verified as a chain. Greedy: each position's argmax. Sampling: each position's token drawn
+    verified as a chain (a shared-mask drafter's block is depth + 1 slots long, vLLM's DFlash block).
+    Greedy: each position's argmax. Sampling: each position's token drawn
     from its own q_k, which speculative sampling verifies losslessly whatever q_k is."""
     if not spec.chain:
         raise ValueError("a block drafter drafts chains only (DraftSpec.topk == 1)")
@@ -206,7 +207,9 @@ def draft_block(drafter: Drafter, state: StepState, step0_ids: Tensor, anchors: 
         raise ValueError(f"draft depth {spec.depth} > the block's {drafter.positions} positions")
     t = int(anchors[0, -1])
     state.select_rows(slice(-1, None))
-    h = drafter.draft_block(state, step0_ids[:, -1:], torch.full((1, 1), t + 1, device=anchors.device))
+    # DFlash's layout (one shared mask) drafts K tokens with K + 1 slots, as vLLM does; else the trained block
+    slots = spec.depth + 1 if getattr(drafter, "shared_mask", False) else None
+    h = drafter.draft_block(state, step0_ids[:, -1:], torch.full((1, 1), t + 1, device=anchors.device), slots=slots)
     logits = drafter.logits(h[0, 0, 1: spec.depth + 1]).float()                 # [depth, draft vocab]
     q = None
     if temperature > 0:

@@ -24,7 +24,7 @@ from .results import (Variant, block_context, is_ablation, judged_protocol, load
                       refine_passes, seed_folders, seed_runs, with_protocol)
 from .tables import write_rows
 
-CONTEXT_OF = {"kv": "KV cache", "hidden": "fused hidden states"}
+CONTEXT_OF = {"kv": "KV cache", "hidden": "fused hidden states", "dflash": "fused hidden states, DFlash's layout"}
 
 
 def ablation_what(v: Variant) -> str:
@@ -44,17 +44,18 @@ def read_contexts(results: Path, variants: list[Variant]) -> None:
 
 
 def split_roles(block: list[Variant], chain: list[Variant]) -> dict:
-    """Block-KV by depth, block-hidden (the shallowest), the KV-only chains by depth, and the
+    """Block-KV by depth, block-hidden and block-dflash (the shallowest), the KV-only chains by depth, and the
     ablations (position weights, refinement) with their plain twins (same context and depth)."""
     uniform = [v for v in block if not is_ablation(v)]
     kv_blocks = {v.layers: v for v in uniform if block_context(v) == "kv"}
     hidden = sorted((v for v in uniform if block_context(v) == "hidden"), key=lambda v: v.layers)
+    dflash = sorted((v for v in uniform if block_context(v) == "dflash"), key=lambda v: v.layers)
     ablations = []
     for v in block:
         twin = [u for u in uniform if u.layers == v.layers and block_context(u) == block_context(v)]
         if is_ablation(v) and twin:
             ablations.append((v, twin[0]))
-    return {"block_kv": kv_blocks, "block_hidden": hidden[0] if hidden else None,
+    return {"block_kv": kv_blocks, "block_hidden": hidden[0] if hidden else None, "block_dflash": dflash[0] if dflash else None,
             "chain": {v.layers: v for v in chain if v.paradigm == "kv"}, "ablations": ablations}
 
 
@@ -265,12 +266,15 @@ def blockwise_figure(block: list[Variant], chain: list[Variant], path) -> None:
     judged = judged_protocol(block + chain)["protocol"]
     both = with_protocol(block + chain, judged)
     r = split_roles(both[: len(block)], both[len(block):])
-    depths = sorted(set(r["block_kv"]) | set(r["chain"]) | ({r["block_hidden"].layers} if r["block_hidden"] else set()))
+    extra = [r[k] for k in ("block_hidden", "block_dflash") if r[k]]
+    depths = sorted(set(r["block_kv"]) | set(r["chain"]) | {v.layers for v in extra})
     fig, axes = plt.subplots(1, len(depths), figsize=(4.6 * len(depths), 3.8), sharey=True, squeeze=False)
     for ax, d in zip(axes[0], depths):
         shown = [(r["chain"].get(d), "--", "KV-only chain (TTT)"), (r["block_kv"].get(d), "-", "block, KV context")]
         if r["block_hidden"] and r["block_hidden"].layers == d:
             shown.append((r["block_hidden"], ":", "block, hidden context"))
+        if r["block_dflash"] and r["block_dflash"].layers == d:
+            shown.append((r["block_dflash"], (0, (3, 1, 1, 1, 1, 1)), "block, DFlash's layout (served by vLLM)"))
         shown += [(a, "-.", f"block, {ablation_what(a)}") for a, _ in r["ablations"] if a.layers == d]
         for v, style, what in shown:
             if v is None:

@@ -1,5 +1,5 @@
-"""vLLM offline, as a user runs it: `LLM(...)` on the target's folder, plain or with an EAGLE-3
-drafter exported by `kvshot export`, greedy, token ids in and out (no tokenizer: the prompts are
+"""vLLM offline, as a user runs it: `LLM(...)` on the target's folder, plain or with an EAGLE-3 or
+DFlash drafter exported by `kvshot export`, greedy, token ids in and out (no tokenizer: the prompts are
 kvshot's own token ids), and vLLM's own acceptance counts for every request.
 
 vLLM counts acceptance in its scheduler, once a verify step, into two places: the aggregate
@@ -17,9 +17,11 @@ the Prometheus counters' differences on the engine that owns them (`prometheus_c
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
             "vllm:spec_decode_num_accepted_tokens": "accepted",
@@ -75,8 +77,23 @@ def engine_environment(threads: int, kv_cache_gib: int) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+def draft_method(draft_dir: str) -> str:
+    """vLLM's speculative method for an exported drafter folder: dflash (kvshot export --format
+    dflash: architectures DFlashDraftModel) or eagle3."""
+    config = json.loads((Path(draft_dir) / "config.json").read_text())
+    return "dflash" if "DFlashDraftModel" in (config.get("architectures") or []) else "eagle3"
+
+
+def max_draft_tokens(draft_dir: str) -> int | None:
+    """The most tokens a drafter folder drafts per round: a DFlash block's mask slots (block_size - 1);
+    None: any (an EAGLE-3 head drafts a chain)."""
+    config = json.loads((Path(draft_dir) / "config.json").read_text())
+    return int(config["block_size"]) - 1 if draft_method(draft_dir) == "dflash" and config.get("block_size") else None
+
+
 class Engine:
-    """One vLLM engine: the target alone (`draft_dir` None) or with an EAGLE-3 drafter at K."""
+    """One vLLM engine: the target alone (`draft_dir` None) or with an exported drafter (EAGLE-3 or
+    DFlash, `draft_method`) at K."""
 
     def __init__(self, target_dir: str, draft_dir: str | None = None, k: int = 0, max_model_len: int = 2048,
                  compile: bool = True, seed: int = 0, dtype: str = "float32", gpu_memory_utilization: float | None = None):
@@ -84,7 +101,8 @@ class Engine:
         KV cache); the stage's engines and the HF target share one GPU. None on CPU."""
         from vllm import LLM
 
-        spec = None if draft_dir is None else {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+        spec = (None if draft_dir is None else
+                {"method": draft_method(draft_dir), "model": str(draft_dir), "num_speculative_tokens": k})
         self.k, self.draft_dir = k, draft_dir
         extra = {} if spec is None else {"per_request_spec_decode_metrics": "detailed"}
         if gpu_memory_utilization is not None:

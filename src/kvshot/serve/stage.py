@@ -1,15 +1,15 @@
-"""The `serve` stage: kvshot's EAGLE-3 drafters in vLLM, beside kvshot's decoder and what a user
-would pick instead, on the run's held-out E2E prompts (eval.e2e's, `e2e_prompts`).
+"""The `serve` stage: kvshot's EAGLE-3 and DFlash-layout block drafters in vLLM, beside kvshot's
+decoder and what a user would pick instead, on the run's held-out E2E prompts (`e2e_prompts`).
 
 Three passes, in one process (vLLM's engines run in their own processes, started here):
   check       untimed, batch 1: every method's output against its reference (vLLM speculative
               against vLLM plain, every K; vLLM plain against kvshot plain, each first divergence
               classified by the target's top-2 logit gap as eval_e2e does; HF and kvshot's
               speculative rows against kvshot plain), and per K, vLLM's acceptance counters beside
-              kvshot's chain decoder at the same K, prompt by prompt;
+              kvshot's decoder at the same K (a block drafter: a block of K + 1), prompt by prompt;
   timed       batch 1, `serve.repeats` passes over the prompts, every method once per prompt, the
-              order reversed on every other prompt (drift on a shared CPU falls on all alike);
-              tokens/s = tokens / median seconds of a pass;
+              order reversed on every other prompt (drift on a shared CPU falls on all alike), the
+              engines idle before each call (`settle`); tokens/s = tokens / median seconds of a pass;
   throughput  vLLM only: the whole prompt set in one `generate` call, the same repeats.
 """
 from __future__ import annotations
@@ -30,26 +30,66 @@ from kvshot.evaluate.e2e import divergence, e2e_prompts, specs
 from kvshot.evaluate.eval_models import load_models
 from kvshot.evaluate.references import read_continuations
 from kvshot.serve import peers
-from kvshot.serve.engine import Counts, Engine, engine_environment, kvshot_counts, step_counts
+from kvshot.serve.engine import Counts, Engine, engine_environment, kvshot_counts, max_draft_tokens, step_counts
 from kvshot.serve.tables import serve_markdown
 from kvshot.settings import Config
 
 Method = Callable[[list[int]], list[int]]   # prompt ids -> generated ids (eos kept)
-# untimed pause after each timed call: a vLLM engine's processes finish their step's bookkeeping on
-# the same cores after `generate` returns (the 2026-12-07 toy run without it: kvshot's K=1 chain,
-# timed right after vLLM's K=7 engine on every other prompt, ran 2x slower than alone)
-SETTLE_S = 0.1
+# After a call, vLLM's worker process keeps spinning on its shared-memory queue (sched_yield) for
+# 1 s before it goes idle (vllm/distributed/device_communicators/shm_broadcast.py, SpinCondition
+# busy_loop_s): on 2 cores that takes one from whatever is timed next. The 2026-12-07 toy runs with a
+# fixed 0.1 s pause: kvshot's K=1 chain, timed right after vLLM's K=7 engine on every other prompt,
+# ran at 0.55x its neighbours' speed. So after every timed call the stage waits, untimed, until the
+# engine processes use less than SETTLE_IDLE of a core over a SETTLE_WINDOW_S window.
+SETTLE_WINDOW_S = 0.1
+SETTLE_IDLE = 0.1
+SETTLE_MAX_S = 5.0
+
+
+def settle() -> float:
+    """Wait until this process's children (vLLM's engine processes) are idle; returns the seconds waited."""
+    import psutil
+
+    me = psutil.Process()
+
+    def children_cpu() -> float:
+        total = 0.0
+        for child in me.children(recursive=True):
+            try:
+                t = child.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:   # a process that just exited
+                pass
+        return total
+
+    start, last = time.perf_counter(), children_cpu()
+    while time.perf_counter() - start < SETTLE_MAX_S:
+        time.sleep(SETTLE_WINDOW_S)
+        now = children_cpu()
+        if now - last < SETTLE_IDLE * SETTLE_WINDOW_S:
+            break
+        last = now
+    return time.perf_counter() - start
 
 
 def _variant_of(folder: str) -> str:
     return Path(folder).name
 
 
-def start_engines(target_dir: str, exports: list[str], ks: list[int], compile_: bool, seed: int,
+def export_ks(exports: list[str], ks: list[int]) -> dict[str, list[int]]:
+    """The Ks each exported drafter runs at: every K, up to a DFlash block's mask slots."""
+    out = {}
+    for e in exports:
+        most = max_draft_tokens(e)
+        out[e] = [k for k in ks if most is None or k <= most]
+    return out
+
+
+def start_engines(target_dir: str, exports: dict[str, list[int]], compile_: bool, seed: int,
                   max_model_len: int, dtype: str, gpu_share: float | None) -> tuple[dict[str, Engine], dict[str, str]]:
-    """vLLM plain and every exported drafter at every K, all alive at once (so the timed pass can
-    interleave them); an engine vLLM refuses is one line in `refused`."""
-    wanted = [("vllm plain", None, 0)] + [(f"vllm {_variant_of(e)} K={k}", e, k) for e in exports for k in ks]
+    """vLLM plain and every exported drafter at each of its Ks, all alive at once (so the timed pass
+    can interleave them); an engine vLLM refuses is one line in `refused`."""
+    wanted = [("vllm plain", None, 0)] + [(f"vllm {_variant_of(e)} K={k}", e, k) for e, ks in exports.items() for k in ks]
     engines, refused = {}, {}
     for i, (name, draft, k) in enumerate(wanted, 1):
         try:
@@ -73,10 +113,11 @@ def mismatches(outputs: list[list[int]], reference: list[list[int]]) -> list[int
 
 
 def timed_pass(methods: dict[str, Method], prompts: list[list[int]], repeats: int) -> dict[str, dict]:
-    """Batch 1, every method once per prompt, the order reversed on every other prompt, a pause
-    (SETTLE_S, untimed) after every call."""
+    """Batch 1, every method once per prompt, the order reversed on every other prompt, the engines
+    left to go idle (`settle`, untimed) after every call."""
     names = list(methods)
     seconds = {n: [] for n in names}
+    waits = {n: [] for n in names}
     tokens = dict.fromkeys(names, 0)
     for r in range(repeats):
         total = dict.fromkeys(names, 0.0)
@@ -85,21 +126,21 @@ def timed_pass(methods: dict[str, Method], prompts: list[list[int]], repeats: in
                 start = time.perf_counter()
                 out = methods[n](ids)
                 total[n] += time.perf_counter() - start
-                time.sleep(SETTLE_S)
+                waits[n].append(settle())
                 if r == 0:
                     tokens[n] += len(out)
         for n in names:
             seconds[n].append(total[n])
-    return {n: {"tokens": tokens[n], "seconds": seconds[n], "tokens_per_s": tokens[n] / statistics.median(seconds[n])}
-            for n in names}
+    return {n: {"tokens": tokens[n], "seconds": seconds[n], "tokens_per_s": tokens[n] / statistics.median(seconds[n]),
+                "settle_s_median": statistics.median(waits[n])} for n in names}
 
 
 @torch.no_grad()
 def run_serve_stage(cfg: Config, rt: Runtime, target_dir: str, exports: list[str], drafter_dirs: list[str],
                     assistant_dir: str | None, prompts_path: str, features_index: str, out_json: str,
                     out_md: str) -> dict:
-    """results/serve/vllm.json and .md. `exports`: EAGLE-3 folders (`kvshot export`), paired by
-    index with the kvshot drafter folders they were written from (`drafter_dirs`)."""
+    """results/serve/vllm.json and .md. `exports`: EAGLE-3 and DFlash folders (`kvshot export`),
+    paired by index with the kvshot drafter folders they were written from (`drafter_dirs`)."""
     scfg, ecfg = cfg.serve, cfg.eval.e2e
     if len(exports) != len(drafter_dirs):
         raise DataError(f"serve: {len(exports)} exports but {len(drafter_dirs)} drafters: pair them by index")
@@ -118,8 +159,10 @@ def run_serve_stage(cfg: Config, rt: Runtime, target_dir: str, exports: list[str
     engine_environment(rt.threads, scfg.kv_cache_gib)
     max_len = max(len(p) for p in prompts) + n_new + max(ks) + 8
     max_len = min(max_len, int(target.config.max_position_embeddings))
-    gpu_share = engine_gpu_share(rt.device, scfg.gpu_memory_fraction, 1 + len(exports) * len(ks))
-    engines, refused = start_engines(target_dir, exports, ks, scfg.compile, cfg.seed, max_len,
+    ks_of = export_ks(exports, ks)
+    drafter_ks = {_variant_of(e): k_list for e, k_list in ks_of.items()}
+    gpu_share = engine_gpu_share(rt.device, scfg.gpu_memory_fraction, 1 + sum(map(len, ks_of.values())))
+    engines, refused = start_engines(target_dir, ks_of, scfg.compile, cfg.seed, max_len,
                                      str(target.dtype).split(".")[-1], gpu_share)
     last_engine = list(engines.values())[-1] if engines else None
 
@@ -144,11 +187,13 @@ def run_serve_stage(cfg: Config, rt: Runtime, target_dir: str, exports: list[str
         lambda p: peers.hf_prompt_lookup(target, p, n_new, eos, scfg.prompt_lookup_tokens))
     methods.update({name: (lambda p, e=e: e.generate([p], n_new, eos)[0][0]) for name, e in engines.items()})
     tree = specs(cfg)["tree"]
-    for v in drafters:
-        methods.update({f"kvshot {v} chain K={k}": (lambda p, v=v, k=k: kvshot_spec(v, DraftSpec(depth=k, topk=1))(p).tokens)
-                        for k in ks})
-        methods[f"kvshot {v} tree {tree.depth}x{tree.topk}/{tree.total_tokens}"] = (
-            lambda p, v=v: kvshot_spec(v, tree)(p).tokens)
+    for v, d in drafters.items():
+        block = getattr(d, "block_wise", False)   # a block drafter drafts its block as a chain (one forward)
+        methods.update({f"kvshot {v} {'block' if block else 'chain'} K={k}":
+                        (lambda p, v=v, k=k: kvshot_spec(v, DraftSpec(depth=k, topk=1))(p).tokens) for k in drafter_ks[v]})
+        if not block:
+            methods[f"kvshot {v} tree {tree.depth}x{tree.topk}/{tree.total_tokens}"] = (
+                lambda p, v=v: kvshot_spec(v, tree)(p).tokens)
 
     # ---- check pass (untimed)
     print(f"serve: {len(prompts)} prompts x {n_new} tokens, {len(methods)} methods, K in {ks}", flush=True)
@@ -173,7 +218,7 @@ def run_serve_stage(cfg: Config, rt: Runtime, target_dir: str, exports: list[str
             continue
         check["vs_kvshot_plain"][name] = mismatches([fn(p) for p in prompts], reference)
     for v in drafters:
-        for k in ks:
+        for k in drafter_ks[v]:
             name = f"vllm {v} K={k}"
             kv_runs = [kvshot_spec(v, DraftSpec(depth=k, topk=1))(p) for p in prompts]
             kv_per_prompt = [kvshot_counts(r.accepted, k) for r in kv_runs]
@@ -202,7 +247,10 @@ def run_serve_stage(cfg: Config, rt: Runtime, target_dir: str, exports: list[str
     throughput = {}
     for name, e in engines.items():
         outs, steps, _ = e.generate(prompts, n_new, eos)   # untimed: outputs and counts of the batch
-        secs = [e.generate(prompts, n_new, eos)[2] for _ in range(scfg.repeats)]
+        secs = []
+        for _ in range(scfg.repeats):
+            settle()   # the previous call's engine idle first
+            secs.append(e.generate(prompts, n_new, eos)[2])
         n_tok = sum(len(o) for o in outs)
         throughput[name] = {"tokens": n_tok, "seconds": secs, "tokens_per_s": n_tok / statistics.median(secs),
                             "mismatches_vs_batch1_plain": mismatches(outs, vllm_plain or reference),
@@ -217,8 +265,8 @@ def run_serve_stage(cfg: Config, rt: Runtime, target_dir: str, exports: list[str
         "repeats": scfg.repeats, "refused": refused, "notes": notes,
         "engine_load_seconds": {n: e.load_s for n, e in engines.items()},
         "check": check, "timed": timed, "throughput": throughput,
-        "order": "batch 1: every method once per prompt, the order reversed on every other prompt; "
-                 "tokens/s = tokens / median seconds of a pass",
+        "order": "batch 1: every method once per prompt, the order reversed on every other prompt, vLLM's "
+                 "engines idle before each call; tokens/s = tokens / median seconds of a pass",
     }
     result["summary"] = summarize(result)
     write_json(out_json, result)
