@@ -345,7 +345,7 @@ class ServeSettings:
     max_new_tokens: int | None
     repeats: int
     prompt_lookup_tokens: int
-    kv_cache_gib: int
+    kv_cache_gib: float
     gpu_memory_fraction: float
     compile: bool
 

@@ -240,10 +240,10 @@ def test_paper_dry_run_job_counts(paper_dry_run):
     assert (count["train_drafter"], count["train_drafter_group"], count["drafter_from_group"]) == (1, 2, 5)
     assert (count["scaling_train"], count["scaling_train_group"], count["scaling_drafter_from_group"]) == (6, 3, 9)
     assert (count["plateau_train"], count["plateau_train_group"], count["plateau_drafter_from_group"]) == (1, 2, 5)
-    # 6 block + 2 remedies: two groups of three, block-kv-d4 and block-kv-d2-refine alone
-    assert (count["blockwise_train"], count["blockwise_train_group"], count["blockwise_drafter_from_group"]) == (2, 2, 6)
-    assert (count["blockwise_stepwise"], count["blockwise_e2e"]) == (8, 8)
-    assert count["export_eagle3"] == 1 and count["eval_benchmarks"] == 6
+    # 7 block + 2 remedies: two groups of three, block-kv-d4, block-kv-d2-refine and block-dflash alone
+    assert (count["blockwise_train"], count["blockwise_train_group"], count["blockwise_drafter_from_group"]) == (3, 2, 6)
+    assert (count["blockwise_stepwise"], count["blockwise_e2e"]) == (9, 9)
+    assert count["export_eagle3"] == 1 and count["export_dflash"] == 1 and count["eval_benchmarks"] == 6
     assert (count["drift_train_group"], count["drift_drafter_from_group"]) == (1, 3) and "drift_train" not in count
     assert (count["drift_stepwise"], count["drift_e2e"], count["drift_report"]) == (3, 3, 1)
     # the published heads (paper config published.heads): imported, then the same evaluation

@@ -35,7 +35,7 @@ rule serve_vllm:
     threads: config["threads"]
     resources:
         gpu=gpus(),
-        mem_mb=16000,   # one vLLM engine per drafter and K, each with serve.kv_cache_gib of KV cache
+        mem_mb=24000,   # one vLLM engine per drafter and K (~1.7 GB each on the toy), each with serve.kv_cache_gib of KV cache
         runtime=120,
     shell:
         "python -m kvshot serve --config {params.cfg:q} --threads {threads} --target {input.target}"

@@ -65,14 +65,15 @@ def kvshot_counts(accepted_per_round: list[int], k: int) -> Counts:
     return step_counts(accepted_per_round, [k] * len(accepted_per_round), k)
 
 
-def engine_environment(threads: int, kv_cache_gib: int) -> None:
+def engine_environment(threads: int) -> None:
     """vLLM's CPU settings, before an engine starts: its OpenMP threads bound to the first `threads`
     cores (vLLM's default keeps one core back for the frontend: a different thread count than the
-    HF rows), the KV cache it allocates up front, and no torch.compile cache across runs (vLLM
+    HF rows), no legacy KV-cache size (the engines take `kv_cache_memory_bytes`), and no
+    torch.compile cache across runs (vLLM
     0.32's CPU build reloading an AOT-compiled drafter engine from its cache recompiled it and
     crashed with a stack overflow here; compiling afresh costs ~40 s an engine)."""
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)   # whole GiB only; it would override kv_cache_memory_bytes
     os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -96,9 +97,11 @@ class Engine:
     DFlash, `draft_method`) at K."""
 
     def __init__(self, target_dir: str, draft_dir: str | None = None, k: int = 0, max_model_len: int = 2048,
-                 compile: bool = True, seed: int = 0, dtype: str = "float32", gpu_memory_utilization: float | None = None):
+                 compile: bool = True, seed: int = 0, dtype: str = "float32", gpu_memory_utilization: float | None = None,
+                 kv_cache_gib: float | None = None):
         """gpu_memory_utilization: on CUDA, this engine's share of the GPU (weights, activations and
-        KV cache); the stage's engines and the HF target share one GPU. None on CPU."""
+        KV cache); the stage's engines and the HF target share one GPU. None on CPU. kv_cache_gib:
+        on CPU, the KV cache it allocates when it starts (every engine of the stage is alive at once)."""
         from vllm import LLM
 
         spec = (None if draft_dir is None else
@@ -107,6 +110,8 @@ class Engine:
         extra = {} if spec is None else {"per_request_spec_decode_metrics": "detailed"}
         if gpu_memory_utilization is not None:
             extra["gpu_memory_utilization"] = gpu_memory_utilization
+        elif kv_cache_gib is not None:
+            extra["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         start = time.perf_counter()
         self.llm = LLM(model=str(target_dir), dtype=dtype, skip_tokenizer_init=True, seed=seed,
                        max_model_len=max_model_len, disable_log_stats=False, enforce_eager=not compile,

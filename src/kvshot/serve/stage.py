@@ -86,7 +86,8 @@ def export_ks(exports: list[str], ks: list[int]) -> dict[str, list[int]]:
 
 
 def start_engines(target_dir: str, exports: dict[str, list[int]], compile_: bool, seed: int,
-                  max_model_len: int, dtype: str, gpu_share: float | None) -> tuple[dict[str, Engine], dict[str, str]]:
+                  max_model_len: int, dtype: str, gpu_share: float | None,
+                  kv_cache_gib: float | None = None) -> tuple[dict[str, Engine], dict[str, str]]:
     """vLLM plain and every exported drafter at each of its Ks, all alive at once (so the timed pass
     can interleave them); an engine vLLM refuses is one line in `refused`."""
     wanted = [("vllm plain", None, 0)] + [(f"vllm {_variant_of(e)} K={k}", e, k) for e, ks in exports.items() for k in ks]
@@ -94,7 +95,7 @@ def start_engines(target_dir: str, exports: dict[str, list[int]], compile_: bool
     for i, (name, draft, k) in enumerate(wanted, 1):
         try:
             engines[name] = Engine(target_dir, draft, k, max_model_len=max_model_len, compile=compile_, seed=seed,
-                                   dtype=dtype, gpu_memory_utilization=gpu_share)
+                                   dtype=dtype, gpu_memory_utilization=gpu_share, kv_cache_gib=kv_cache_gib)
             print(f"serve: vLLM engine {i}/{len(wanted)} ({name}) ready in {engines[name].load_s:.0f} s", flush=True)
         except Exception as e:   # vLLM's refusal (unsupported architecture, config key, shape): say why, go on
             refused[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
@@ -156,14 +157,14 @@ def run_serve_stage(cfg: Config, rt: Runtime, target_dir: str, exports: list[str
     drafters = {_variant_of(e): ds[0] for e, ds in zip(exports, models.drafters)}
     aux = {v: models.aux_for([d]) for v, d in drafters.items()}
 
-    engine_environment(rt.threads, scfg.kv_cache_gib)
+    engine_environment(rt.threads)
     max_len = max(len(p) for p in prompts) + n_new + max(ks) + 8
     max_len = min(max_len, int(target.config.max_position_embeddings))
     ks_of = export_ks(exports, ks)
     drafter_ks = {_variant_of(e): k_list for e, k_list in ks_of.items()}
     gpu_share = engine_gpu_share(rt.device, scfg.gpu_memory_fraction, 1 + sum(map(len, ks_of.values())))
     engines, refused = start_engines(target_dir, ks_of, scfg.compile, cfg.seed, max_len,
-                                     str(target.dtype).split(".")[-1], gpu_share)
+                                     str(target.dtype).split(".")[-1], gpu_share, scfg.kv_cache_gib)
     last_engine = list(engines.values())[-1] if engines else None
 
     def ids(p: list[int]) -> torch.Tensor:
@@ -222,8 +223,12 @@ def run_serve_stage(cfg: Config, rt: Runtime, target_dir: str, exports: list[str
             name = f"vllm {v} K={k}"
             kv_runs = [kvshot_spec(v, DraftSpec(depth=k, topk=1))(p) for p in prompts]
             kv_per_prompt = [kvshot_counts(r.accepted, k) for r in kv_runs]
+            rounds = sum(r.rounds for r in kv_runs)
             row = {"kvshot": sum(kv_per_prompt, Counts()).as_dict(), "kvshot_lossless": mismatches(
-                [r.tokens for r in kv_runs], reference)}
+                [r.tokens for r in kv_runs], reference),
+                   # where kvshot's round goes (untimed pass, no other method running): drafting, verifying
+                   "kvshot_ms_per_round": {"draft": 1000 * sum(r.draft_s for r in kv_runs) / max(rounds, 1),
+                                           "verify": 1000 * sum(r.verify_s for r in kv_runs) / max(rounds, 1)}}
             if name in engines:
                 engine = engines[name]
                 before = engine.prometheus_counts()

@@ -32,17 +32,20 @@ def lossless_lines(result: dict) -> list[str]:
 
 
 def acceptance_table(result: dict) -> list[str]:
-    rows = ["| drafter, K | engine | rounds | accepted | tau | alpha by position (rounds accepting through i / rounds) |",
-            "|---|---|---:|---:|---:|---|"]
+    rows = ["| drafter, K | engine | rounds | accepted | tau | alpha by position (rounds accepting through i / rounds) "
+            "| kvshot ms per round: draft / verify |",
+            "|---|---|---:|---:|---:|---|---|"]
     for key, row in result["check"]["acceptance"].items():
         for engine in ("vllm", "kvshot"):
             c = row.get(engine)
             if c is None:
                 continue
             alphas = " ".join(_fmt(a, 2) for a in c["alpha_by_pos"])
-            rows.append(f"| {key} | {engine} | {c['drafts']} | {c['accepted']} | {_fmt(c['tau'], 3)} | {alphas} |")
+            ms = row.get("kvshot_ms_per_round") if engine == "kvshot" else None
+            split = f"{ms['draft']:.2f} / {ms['verify']:.2f}" if ms else ""
+            rows.append(f"| {key} | {engine} | {c['drafts']} | {c['accepted']} | {_fmt(c['tau'], 3)} | {alphas} | {split} |")
         if "vllm" in row:
-            rows.append(f"| {key} | prompts whose rounds differ | {len(row['prompts_differing'])} | | | |")
+            rows.append(f"| {key} | prompts whose rounds differ | {len(row['prompts_differing'])} | | | | |")
     cross = result["check"].get("prometheus_cross_check")
     if cross:
         rows += ["", f"vLLM's per-request counts against its Prometheus counters ({cross['engine']}, the engine that "
