@@ -79,6 +79,17 @@ def test_trainer_on_a_llama_target(tiny_llama, tiny_llama_features, tmp_path, na
         assert dcfg["kv_layers"] == [4, 5]
 
 
+def test_block_dflash_has_qwen3_layers_on_a_llama_target(tiny_llama):
+    """vLLM serves DFlash drafters with Qwen3 layers (q/k norm) whatever the target: block-dflash
+    keeps them on a Llama target, where the other paradigms take the target's family."""
+    target = load_target(tiny_llama["model"], tiny_llama["rt"], attn="sdpa")
+    embed, d2t = target.model.embed_tokens.weight.detach(), torch.arange(target.config.vocab_size)
+    entry = {"name": "bd", "paradigm": "block", "context": "dflash", "layers": 1, "block_size": 4}
+    assert build_variant(section(VariantSettings, entry), target.config, embed, d2t).cfg.qk_norm is True
+    assert build_variant(section(VariantSettings, {**entry, "context": "hidden"}), target.config, embed, d2t).cfg.qk_norm is False
+    assert build_variant(section(VariantSettings, {**entry, "qk_norm": False}), target.config, embed, d2t).cfg.qk_norm is False
+
+
 @pytest.fixture(scope="module")
 def world(tiny_llama, tiny_llama_features):
     """As test_decode's world, on the Llama target: pretrained further, briefly trained drafters."""

@@ -184,14 +184,15 @@ def test_the_paper_config_has_the_variants_measured(paper):
 
 
 ALL_VARIANTS = ["eagle3", "kv-d1", "kv-d2", "kv-d4", "hybrid", "standalone", "block-kv-d1", "block-kv-d2",
-                "block-kv-d4", "block-hidden", "block-kv-d2-decay", "block-kv-d2-refine", "hybrid-open", "hybrid-warm",
+                "block-kv-d4", "block-hidden", "block-dflash", "block-kv-d2-decay", "block-kv-d2-refine", "hybrid-open",
+                "hybrid-warm",
                 "eagle3.1", "eagle3-fcnorm", "eagle3-postnorm"]   # drift: eagle3's shapes (docs/drift.md)
 
 
 # one variant per paradigm and block kind, the deepest of each (memory grows with depth: kv-d1/d2
 # and block-kv-d1/d2 sit below kv-d4 and block-kv-d4 in benchmarks/paper_shapes.py's table), the
 # refine ablation (two passes); hybrid-open/-warm and block-kv-d2-decay have the shapes of
-# hybrid and block-kv-d2. The whole list: `python benchmarks/paper_shapes.py`.
+# hybrid and block-kv-d2, block-dflash block-hidden's (less one norm per layer and the per-slot masks). The whole list: `python benchmarks/paper_shapes.py`.
 HEAVIEST = ["eagle3", "kv-d4", "hybrid", "standalone", "block-kv-d4", "block-hidden", "block-kv-d2-refine"]
 
 

@@ -85,15 +85,20 @@ def build_variant(v: VariantSettings, target_cfg, embed: torch.Tensor, d2t: torc
         raise ConfigError(f"config: drafters.variants.{v.name}.kv_layers: {len(kv_layers)} layers for depth {depth}")
     if paradigm == "standalone":
         d2t = torch.arange(target_cfg.vocab_size)
+    # default: the target's own attention (Qwen3: q/k norm; Llama: none); the standalone LM starts
+    # from the target's layers, so it always has the target's; DFlash's layers are Qwen3's whatever
+    # the target is (vLLM serves no other), so block-dflash has q/k norm unless it says otherwise
+    qk_norm = has_qk_norm(target_cfg)
+    if paradigm != "standalone" and v.qk_norm is not None:
+        qk_norm = v.qk_norm
+    elif paradigm == "block" and block_context == "dflash":
+        qk_norm = True
     dc = DrafterConfig(
         paradigm=paradigm, hidden_size=target_cfg.hidden_size, num_layers=depth,
         num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
         head_dim=target_cfg.head_dim, intermediate_size=v.intermediate_size or target_cfg.intermediate_size,
         vocab_size=target_cfg.vocab_size, draft_vocab_size=len(d2t), rope_theta=rope_theta(target_cfg),
-        rms_norm_eps=target_cfg.rms_norm_eps, kv_layers=list(kv_layers) if reads_kv else [],
-        # default: the target's own attention (Qwen3: q/k norm; Llama: none); the standalone LM
-        # starts from the target's layers, so it always has the target's
-        qk_norm=v.qk_norm if paradigm != "standalone" and v.qk_norm is not None else has_qk_norm(target_cfg), **own)
+        rms_norm_eps=target_cfg.rms_norm_eps, kv_layers=list(kv_layers) if reads_kv else [], qk_norm=qk_norm, **own)
     model = build_drafter(dc)
     model.set_vocab(embed, d2t)
     if paradigm == "standalone" and target is not None:
