@@ -234,7 +234,7 @@ def _check_target_fit(cfg: dict, shape: TargetShape, fail: Callable[[list[str], 
         fail(["drafters", "draft_vocab_size"], f"{drafters['draft_vocab_size']} is larger than the target's "
              f"vocabulary ({shape.vocab})")
     for path, v in all_variants(cfg):
-        if not (v["paradigm"] in ("kv", "hybrid") or (v["paradigm"] == "block" and v.get("context", "kv") == "kv")):
+        if not (v["paradigm"] in ("kv", "hybrid") or (v["paradigm"] == "block" and v.get("context") not in ("hidden", "dflash"))):
             continue
         if v["layers"] > L:
             fail(path + ["layers"], f"{v['layers']} KV layers for a {L}-layer target")

@@ -7,7 +7,7 @@ must equal its plain output, token for token, at every K; vLLM's acceptance per 
 equal kvshot's per round on the same prompts (for the block drafter: kvshot's decoder drafting
 K tokens with a block of K + 1, as vLLM does); its Prometheus counters must equal its per-request
 counts; and any difference between vLLM's plain decoding and kvshot's must be a near-tie of the
-target's top two logits. In the pipeline tier: it starts five vLLM engines (~2 min of CPU)."""
+target's top two logits. In the pipeline tier: it starts three vLLM engines (~2 min of CPU)."""
 from __future__ import annotations
 
 import json
@@ -21,8 +21,8 @@ from kvshot.serve import environment
 from ..conftest import REPO, synthetic_conversations, tiny_config, typed, write_jsonl
 
 pytestmark = pytest.mark.pipeline
-KS = [1, 3]
-PROMPTS = 4
+KS = [3]        # one K (the stage's K list is unit-tested): the test's engines cost CI time
+PROMPTS = 3
 DRAFTERS = ("eagle3", "block-dflash")
 
 

@@ -188,7 +188,8 @@ def literal_defaults(path: Path) -> list[str]:
 # reads of other documents: result items, a checkpoint's progress, a HF config.json, the schema
 # itself, the fake-tensor meter's table of operators
 NOT_CONFIG = {"e2e.py": {"conversation", "protocol"}, "stepwise.py": {"conversation"}, "loop.py": {"stopped_by"},
-              "target.py": {"rope_type"}, "config.py": {"$ref", "description"}, "shapes.py": {"aten.index.Tensor (bool mask)"}}
+              "target.py": {"rope_type"}, "config.py": {"$ref", "description"}, "shapes.py": {"aten.index.Tensor (bool mask)"},
+              "dflash.py": {"rope_theta"}}   # dflash.py: a DFlash folder's config.json (vLLM's, not kvshot's config)
 
 
 def test_no_stage_writes_a_config_default_of_its_own():
