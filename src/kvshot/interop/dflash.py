@@ -174,12 +174,9 @@ def drafter_from_dflash(ckpt_dir: str | Path, target_dir: str | Path) -> tuple[B
     drafter = BlockDrafter(cfg)
     own = {ours: tensors[theirs].float() for ours, theirs in dflash_names(cfg.num_layers).items()}
     own["mask_embed"] = mask.float().view(1, -1)
-    if "d2t" in tensors:
-        d2t = tensors["d2t"].long() + torch.arange(draft_vocab)
-        own["lm_head.weight"] = tensors["lm_head.weight"].float()
-    else:   # the whole vocabulary in the target's order
-        d2t = torch.arange(vocab)
-        own["lm_head.weight"] = tensors["lm_head.weight"].float()
+    own["lm_head.weight"] = tensors["lm_head.weight"].float()
+    # offsets to target ids; without d2t the head covers the whole vocabulary in the target's order
+    d2t = tensors["d2t"].long() + torch.arange(draft_vocab) if "d2t" in tensors else torch.arange(vocab)
     missing = drafter.load_state_dict(own, strict=False)
     left = [k for k in missing.missing_keys if k not in ("embed_tokens.weight", "d2t", "t2d")]
     if left or missing.unexpected_keys:
