@@ -28,7 +28,7 @@ from kvshot.core.io import atomic_dir, write_json
 from kvshot.drafters import DrafterConfig, load_drafter
 from kvshot.drafters.block import BlockDrafter
 
-from .export import DTYPES, FormatError, target_config, target_embedding
+from .export import DTYPES, FormatError, against_target, target_embedding
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 MASK_FILE = "mask_embedding.pt"
@@ -104,21 +104,12 @@ def export_dflash(drafter_dir: str | Path, out_dir: str | Path, target_dir: str 
                   max_position_embeddings: int | None = None, aux_rule: str = "relative",
                   mask_token_id: int | None = None) -> dict:
     """Write `drafter_dir` (a block-dflash drafter folder) as vLLM's DFlash folder."""
-    from kvshot.config import default_aux_layers
-
     drafter = load_drafter(drafter_dir, need_embedding=False)
     check_dflash_exportable(drafter, f"{drafter_dir}/config.json")
     cfg = drafter.cfg
     if dtype not in DTYPES:
         raise FormatError(f"--dtype {dtype}: one of {sorted(DTYPES)}")
-    if target_dir is not None:
-        tc = target_config(target_dir)
-        for key, ours in (("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size)):
-            if tc.get(key) != ours:
-                raise FormatError(f"{target_dir}/config.json: {key} {tc.get(key)} is not the drafter's {ours}")
-        if aux_layers is None:
-            aux_layers = list(default_aux_layers(tc["num_hidden_layers"], aux_rule))
-        max_position_embeddings = max_position_embeddings or tc.get("max_position_embeddings")
+    aux_layers, max_position_embeddings = against_target(cfg, target_dir, aux_layers, aux_rule, max_position_embeddings)
     if aux_layers is None:
         raise FormatError(f"{drafter_dir}: the target layers it fuses are unknown: give --target or features.aux_layers")
     if len(aux_layers) != cfg.num_aux or min(aux_layers) < 1:

@@ -98,6 +98,22 @@ def target_embedding(target_dir: str | Path) -> Tensor:
 
 # ---------------------------------------------------------------- export
 
+def against_target(cfg: DrafterConfig, target_dir, aux_layers, aux_rule: str, max_position_embeddings):
+    """With a target folder: the drafter checked against its config, and the aux layers (its default
+    under `aux_rule` unless given) and max positions it implies. Returns (aux_layers, max positions)."""
+    from kvshot.config import default_aux_layers
+
+    if target_dir is None:
+        return aux_layers, max_position_embeddings
+    tc = target_config(target_dir)
+    for key, ours in (("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size)):
+        if tc.get(key) != ours:
+            raise FormatError(f"{target_dir}/config.json: {key} {tc.get(key)} is not the drafter's {ours}")
+    if aux_layers is None:
+        aux_layers = list(default_aux_layers(tc["num_hidden_layers"], aux_rule))
+    return aux_layers, max_position_embeddings or tc.get("max_position_embeddings")
+
+
 def check_exportable(drafter, where: str) -> None:
     cfg = drafter.cfg
     if type(drafter) is not HiddenDrafter:
@@ -184,20 +200,12 @@ def export_eagle3(drafter_dir: str | Path, out_dir: str | Path, target_dir: str 
     """Write `drafter_dir` (a kvshot drafter folder) as an EAGLE-3 checkpoint. With `target_dir`
     the config takes the target's max_position_embeddings and the default aux layers for its
     depth under `aux_rule` (config.default_aux_layers; unless `aux_layers` are given), and the drafter is checked against it."""
-    from kvshot.config import default_aux_layers
-
     drafter = load_drafter(drafter_dir, need_embedding=False)   # the checkpoint holds no embedding
     check_exportable(drafter, f"{drafter_dir}/config.json")
     if dtype not in DTYPES:
         raise FormatError(f"--dtype {dtype}: one of {sorted(DTYPES)}")
-    if target_dir is not None:
-        tc = target_config(target_dir)
-        for key, ours in (("hidden_size", drafter.cfg.hidden_size), ("vocab_size", drafter.cfg.vocab_size)):
-            if tc.get(key) != ours:
-                raise FormatError(f"{target_dir}/config.json: {key} {tc.get(key)} is not the drafter's {ours}")
-        if aux_layers is None:
-            aux_layers = list(default_aux_layers(tc["num_hidden_layers"], aux_rule))
-        max_position_embeddings = max_position_embeddings or tc.get("max_position_embeddings")
+    aux_layers, max_position_embeddings = against_target(drafter.cfg, target_dir, aux_layers, aux_rule,
+                                                         max_position_embeddings)
     max_position_embeddings = max_position_embeddings or 32768
     if aux_layers is not None and len(set(aux_layers)) != 3:
         raise FormatError(f"aux layers {list(aux_layers)}: EAGLE-3 fuses three distinct target layers "
