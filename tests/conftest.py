@@ -41,11 +41,6 @@ def pytest_collection_modifyitems(config, items):
         # worker, so its module-scoped fixtures are built once
         shared = SHARED_RUN_FIXTURES & set(getattr(item, "fixturenames", ()))
         item.add_marker(pytest.mark.xdist_group("smoke_dag" if shared else item.nodeid.split("::")[0]))
-    # The pipeline tier first: xdist hands out groups in collection order (`--no-loadscope-reorder`,
-    # pyproject.toml; its default puts groups with many tests first, so the single-test DAG runs of
-    # 2-6 min came last and one worker ran the last of them alone: 160 s of a 1,243 s CI run on
-    # 2026-12-07). Long groups first, then the many short unit modules even out the two workers' ends.
-    items.sort(key=lambda item: PIPELINE_TIER not in Path(item.fspath).resolve().parents)
 
 def pytest_xdist_node_collection_finished(node, ids):
     """On the controller under loadgroup: every test id a worker collected must carry its group
