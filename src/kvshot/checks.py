@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from kvshot.core.taps import default_aux_layers
+from kvshot.core.taps import default_aux_layers, reads_target_kv
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ def _check_target_fit(cfg: dict, shape: TargetShape, fail: Callable[[list[str], 
         fail(["drafters", "draft_vocab_size"], f"{drafters['draft_vocab_size']} is larger than the target's "
              f"vocabulary ({shape.vocab})")
     for path, v in all_variants(cfg):
-        if not (v["paradigm"] in ("kv", "hybrid") or (v["paradigm"] == "block" and v.get("context") not in ("hidden", "dflash"))):
+        if not reads_target_kv(v["paradigm"], v.get("context")):
             continue
         if v["layers"] > L:
             fail(path + ["layers"], f"{v['layers']} KV layers for a {L}-layer target")

@@ -6,6 +6,12 @@ EAGLE3_DEPTH, EAGLE3_HIGH = 36, 33   # Qwen3-8B: EAGLE-3's high tap is hidden_st
 AUX_RULES = ("relative", "eagle3")
 
 
+def reads_target_kv(paradigm: str, block_context: str | None = None) -> bool:
+    """Whether a drafter reads the target's KV cache (its kv_layers): KV-only, hybrid, and a block
+    drafter with KV context (the default); hidden and DFlash blocks read aux hidden states instead."""
+    return paradigm in ("kv", "hybrid") or (paradigm == "block" and (block_context or "kv") == "kv")
+
+
 def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's low/middle/high taps: inputs of layers 2, L//2 and L-3, i.e. HF
     `hidden_states[2]`, `[L//2]`, `[L-3]` (outputs of layers 1, L//2-1, L-4)."""

@@ -49,7 +49,7 @@ class DrafterConfig:
     gate_init: float = 0.5             # hybrid: initial g = sigmoid(gate_logit)
     qk_norm: bool = True               # Qwen3's q/k RMSNorm; False: a Llama-style layer (EAGLE-3's)
     block_size: int = 0                # block paradigm: query slots per block (x_{t+1}, then block_size - 1 masks)
-    block_context: str = "kv"          # block paradigm: kv (the target's KV cache) | hidden (fused aux hidden states)
+    block_context: str = "kv"          # block paradigm: kv (the target's KV cache) | hidden (fused aux hidden states) | dflash (the same in DFlash's layout)
     block_refine: int = 0              # block paradigm: refinement passes, each re-reading the previous pass's tokens
     norm_before_residual: bool = False  # hidden paradigm, layer 0: the residual is hidden_norm(h), not h (speculators' switch)
     norm_before_fc: bool = False       # hidden paradigm: one RMSNorm over the concatenated aux states before fc (speculators)

@@ -9,6 +9,7 @@ import torch
 from kvshot.capture.features import FeatureSource
 from kvshot.capture.target import has_qk_norm, rope_theta
 from kvshot.config import ConfigError
+from kvshot.core.taps import reads_target_kv
 from kvshot.drafters import Drafter, DrafterConfig, build_drafter
 from kvshot.drafters.standalone import init_from_target
 from kvshot.settings import Config, TrainOverrides, TrainSettings, VariantSettings, to_dict
@@ -79,7 +80,7 @@ def build_variant(v: VariantSettings, target_cfg, embed: torch.Tensor, d2t: torc
     depth, paradigm = v.layers, v.paradigm
     own = {field: getattr(v, key) for key, field in VARIANT_FIELDS.items() if getattr(v, key) is not None}
     block_context = own.get("block_context", DrafterConfig.block_context)
-    reads_kv = paradigm in ("kv", "hybrid") or (paradigm == "block" and block_context == "kv")
+    reads_kv = reads_target_kv(paradigm, block_context)
     kv_layers = v.kv_layers or list(range(n_target - depth, n_target))  # the top target layers
     if reads_kv and len(kv_layers) != depth:
         raise ConfigError(f"config: drafters.variants.{v.name}.kv_layers: {len(kv_layers)} layers for depth {depth}")
